@@ -1,0 +1,255 @@
+"""The gRPC server bootstrap shared by gateway, flow_service and vocoder_service.
+
+`GrpcServer` owns the grpc.aio server, `grpc.health.v1` (NOT_SERVING until the service says it
+is warm, NOT_SERVING again on drain), reflection, the Prometheus endpoint, the error
+interceptor, and SIGTERM/SIGINT handling: health -> NOT_SERVING, optional drain delay, then
+`stop(grace)` so in-flight streams finish while new calls get UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import Counter, Histogram, start_http_server
+
+from token2wav.errors import status_for
+
+logger = logging.getLogger(__name__)
+
+# The stream a log line belongs to; servicers set it at the top of each call.
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+RPC_CALLS = Counter(
+    "t2w_grpc_calls_total", "Finished RPCs by method and status code", ["method", "code"]
+)
+RPC_SECONDS = Histogram(
+    "t2w_grpc_call_seconds",
+    "RPC duration by method",
+    ["method"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port (tests)
+    metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port (tests)
+    grace_period: float = 30.0  # s for in-flight calls after SIGTERM
+    drain_delay: float = 0.0  # s of NOT_SERVING before the listener closes
+    max_message_mb: int = 64
+
+    @classmethod
+    def from_args(cls, args) -> ServerOptions:
+        # On the command line 0 means "off", the convention of most exporters.
+        return cls(
+            args.host,
+            args.port,
+            args.metrics_port or None,
+            args.grace_period,
+            args.drain_delay,
+            args.max_message_mb,
+        )
+
+
+def channel_options(max_message_mb: int = 64) -> list[tuple[str, int]]:
+    """Options for servers and clients alike: big tensors, and keepalives that keep long idle
+    streams (a client waiting on its LLM) alive through proxies without being called abusive."""
+    size = max_message_mb << 20
+    return [
+        ("grpc.max_send_message_length", size),
+        ("grpc.max_receive_message_length", size),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ]
+
+
+class RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id_var.get()
+        return True
+
+
+def setup_logging(level: str = "INFO", service: str = "token2wav") -> None:
+    handler = logging.StreamHandler()
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(
+        logging.Formatter(
+            f"%(asctime)s %(levelname)s {service} [%(request_id)s] %(name)s: %(message)s"
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+async def _fail(context: grpc.aio.ServicerContext, method: str, exc: Exception):
+    mapped = status_for(exc)
+    if mapped is None:
+        logger.exception("internal error in %s", method)
+        mapped = (grpc.StatusCode.INTERNAL, "internal error (logged on the server)")
+    RPC_CALLS.labels(method, mapped[0].name).inc()
+    await context.abort(mapped[0], mapped[1])
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """The single place where exceptions become status codes (and call metrics are counted)."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(("/grpc.health", "/grpc.reflection")):
+            return handler
+        method = details.method
+
+        def wrap_unary(behavior):
+            async def call(request, context):
+                start = time.perf_counter()
+                try:
+                    result = await behavior(request, context)
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - mapped or logged in _fail
+                    await _fail(context, method, exc)
+                RPC_CALLS.labels(method, "OK").inc()
+                RPC_SECONDS.labels(method).observe(time.perf_counter() - start)
+                return result
+
+            return call
+
+        def wrap_stream(behavior):
+            async def call(request, context):
+                start = time.perf_counter()
+                try:
+                    async for item in behavior(request, context):
+                        yield item
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    await _fail(context, method, exc)
+                RPC_CALLS.labels(method, "OK").inc()
+                RPC_SECONDS.labels(method).observe(time.perf_counter() - start)
+
+            return call
+
+        kw = dict(
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), **kw)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), **kw)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), **kw)
+        return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), **kw)
+
+
+class GrpcServer:
+    """One service process: `await start()`, warm up, `set_serving(True)`, then `wait()`.
+
+    `register(server)` adds the servicers (e.g. `add_FlowServicer_to_server`); `service_names`
+    are their full names, used for health and reflection.
+    """
+
+    def __init__(
+        self,
+        options: ServerOptions,
+        service_names: Iterable[str],
+        register: Callable[[grpc.aio.Server], None],
+    ):
+        self.options = options
+        self.service_names = list(service_names)
+        self._register = register
+        self.server: grpc.aio.Server | None = None
+        self.health = HealthServicer()
+        self.port = 0
+        self.metrics_port = 0
+        self._metrics_httpd = None
+        self._stop = asyncio.Event()
+
+    async def start(self) -> int:
+        opts = self.options
+        self.server = grpc.aio.server(
+            interceptors=[ErrorInterceptor()], options=channel_options(opts.max_message_mb)
+        )
+        self._register(self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [
+                *self.service_names,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            self.server,
+        )
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self.server.add_insecure_port(f"{opts.host}:{opts.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {opts.host}:{opts.port}")
+        await self.server.start()
+        if opts.metrics_port is not None:
+            self._metrics_httpd, _ = start_http_server(opts.metrics_port, addr=opts.host)
+            self.metrics_port = self._metrics_httpd.server_port
+        logger.info(
+            "listening on %s:%d (metrics %s)", opts.host, self.port, self.metrics_port or "off"
+        )
+        return self.port
+
+    async def _set_all(self, status) -> None:
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def set_serving(self, serving: bool) -> None:
+        await self._set_all(
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, sig.name)
+
+    def request_stop(self, why: str = "stop requested") -> None:
+        if not self._stop.is_set():
+            logger.info("%s: draining", why)
+            self._stop.set()
+
+    async def drain(self) -> None:
+        """NOT_SERVING, wait the drain delay, then stop(grace): in-flight calls finish, new ones
+        get UNAVAILABLE, and whatever is still running when the grace ends is cancelled."""
+        await self.set_serving(False)
+        if self.options.drain_delay > 0:
+            await asyncio.sleep(self.options.drain_delay)
+        if self.server is not None:
+            await self.server.stop(self.options.grace_period)
+        if self._metrics_httpd is not None:
+            self._metrics_httpd.shutdown()
+            self._metrics_httpd = None
+        logger.info("stopped")
+
+    async def run(self, warmup: Callable[[], Awaitable[None]] | None = None) -> None:
+        """The whole life of a service process; returns after a signal-initiated drain."""
+        await self.start()
+        self.install_signal_handlers()
+        if warmup is not None:
+            await warmup()
+        if not self._stop.is_set():
+            await self.set_serving(True)
+            logger.info("SERVING")
+        await self._stop.wait()
+        await self.drain()

@@ -1,0 +1,128 @@
+from token2wav.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AudioFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AUDIO_FORMAT_UNSPECIFIED: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_PCM16: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_FLOAT32: _ClassVar[AudioFormat]
+AUDIO_FORMAT_UNSPECIFIED: AudioFormat
+AUDIO_FORMAT_PCM16: AudioFormat
+AUDIO_FORMAT_FLOAT32: AudioFormat
+
+class SynthesizeRequest(_message.Message):
+    __slots__ = ("config", "tokens", "end")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    config: StreamConfig
+    tokens: TokenChunk
+    end: EndOfInput
+    def __init__(self, config: _Optional[_Union[StreamConfig, _Mapping]] = ..., tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., end: _Optional[_Union[EndOfInput, _Mapping]] = ...) -> None: ...
+
+class StreamConfig(_message.Message):
+    __slots__ = ("request_id", "inline_voice", "voice_id", "audio_format", "schedule")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INLINE_VOICE_FIELD_NUMBER: _ClassVar[int]
+    VOICE_ID_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    inline_voice: _common_pb2.Voice
+    voice_id: str
+    audio_format: AudioFormat
+    schedule: ChunkSchedule
+    def __init__(self, request_id: _Optional[str] = ..., inline_voice: _Optional[_Union[_common_pb2.Voice, _Mapping]] = ..., voice_id: _Optional[str] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., schedule: _Optional[_Union[ChunkSchedule, _Mapping]] = ...) -> None: ...
+
+class ChunkSchedule(_message.Message):
+    __slots__ = ("first_hop_tokens", "max_hop_tokens", "hop_scale", "disable_prompt_pad")
+    FIRST_HOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_HOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOP_SCALE_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_PROMPT_PAD_FIELD_NUMBER: _ClassVar[int]
+    first_hop_tokens: int
+    max_hop_tokens: int
+    hop_scale: int
+    disable_prompt_pad: bool
+    def __init__(self, first_hop_tokens: _Optional[int] = ..., max_hop_tokens: _Optional[int] = ..., hop_scale: _Optional[int] = ..., disable_prompt_pad: _Optional[bool] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EndOfInput(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ChunkTiming(_message.Message):
+    __slots__ = ("flow_queue_ms", "flow_compute_ms", "flow_batch_size", "vocoder_queue_ms", "vocoder_compute_ms", "vocoder_batch_size", "gateway_ms")
+    FLOW_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    FLOW_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    FLOW_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCODER_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    VOCODER_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    VOCODER_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_MS_FIELD_NUMBER: _ClassVar[int]
+    flow_queue_ms: float
+    flow_compute_ms: float
+    flow_batch_size: int
+    vocoder_queue_ms: float
+    vocoder_compute_ms: float
+    vocoder_batch_size: int
+    gateway_ms: float
+    def __init__(self, flow_queue_ms: _Optional[float] = ..., flow_compute_ms: _Optional[float] = ..., flow_batch_size: _Optional[int] = ..., vocoder_queue_ms: _Optional[float] = ..., vocoder_compute_ms: _Optional[float] = ..., vocoder_batch_size: _Optional[int] = ..., gateway_ms: _Optional[float] = ...) -> None: ...
+
+class SynthesizeResponse(_message.Message):
+    __slots__ = ("request_id", "seq", "sample_offset", "sample_rate", "audio_format", "audio", "num_samples", "is_final", "timing")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    IS_FINAL_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    seq: int
+    sample_offset: int
+    sample_rate: int
+    audio_format: AudioFormat
+    audio: bytes
+    num_samples: int
+    is_final: bool
+    timing: ChunkTiming
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., sample_offset: _Optional[int] = ..., sample_rate: _Optional[int] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., audio: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., is_final: _Optional[bool] = ..., timing: _Optional[_Union[ChunkTiming, _Mapping]] = ...) -> None: ...
+
+class RegisterVoiceRequest(_message.Message):
+    __slots__ = ("voice",)
+    VOICE_FIELD_NUMBER: _ClassVar[int]
+    voice: _common_pb2.Voice
+    def __init__(self, voice: _Optional[_Union[_common_pb2.Voice, _Mapping]] = ...) -> None: ...
+
+class RegisterVoiceResponse(_message.Message):
+    __slots__ = ("voice_id", "created")
+    VOICE_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    voice_id: str
+    created: bool
+    def __init__(self, voice_id: _Optional[str] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class DeleteVoiceRequest(_message.Message):
+    __slots__ = ("voice_id",)
+    VOICE_ID_FIELD_NUMBER: _ClassVar[int]
+    voice_id: str
+    def __init__(self, voice_id: _Optional[str] = ...) -> None: ...
+
+class DeleteVoiceResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
