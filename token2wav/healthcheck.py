@@ -1,0 +1,39 @@
+"""`python -m token2wav.healthcheck [--addr HOST:PORT] [--service NAME]`: exit 0 when the
+server reports SERVING over grpc.health.v1, 1 otherwise (for Docker and Kubernetes probes that
+have no grpc_health_probe binary)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def check(addr: str, service: str = "", timeout: float = 3.0) -> bool:
+    with grpc.insecure_channel(addr) as channel:
+        try:
+            status = (
+                health_pb2_grpc.HealthStub(channel)
+                .Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+                .status
+            )
+        except grpc.RpcError:
+            return False
+    return status == health_pb2.HealthCheckResponse.SERVING
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m token2wav.healthcheck", description=__doc__)
+    p.add_argument("--addr", default="127.0.0.1:50051", help="server address HOST:PORT")
+    p.add_argument("--service", default="", help="service name; empty = the whole server")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    a = p.parse_args(argv)
+    ok = check(a.addr, a.service, a.timeout)
+    print("SERVING" if ok else "NOT SERVING")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
