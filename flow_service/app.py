@@ -1,0 +1,135 @@
+"""Assembling the flow service: flags, model, engine, servicer, server (kept apart from main()
+so tests build the same server on port 0)."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+
+from flow_service.engine import FlowEngine
+from flow_service.model import FLOW_PRESETS, ChunkRequest, Voice, load_flow
+from flow_service.scheduler import BatchPolicy
+from flow_service.servicer import FlowServicer
+from flow_service.voices import VoiceCache
+from token2wav.cli import EnvParser, add_server_flags
+from token2wav.server import GrpcServer, ServerOptions
+from token2wav.v1 import flow_pb2, flow_pb2_grpc
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_parser() -> EnvParser:
+    p = EnvParser(
+        "FLOW",
+        prog="python -m flow_service",
+        description="Stage 1 of token2wav: speech tokens -> mel by CosyVoice3's DiT "
+        "flow matching, calls from all streams batched into masked, "
+        "ragged solver passes.",
+    )
+    add_server_flags(p, port=50052, metrics_port=9102)
+    p.flag(
+        "--model-dir",
+        default="",
+        help="directory holding flow.pt (or the file itself); "
+        "empty: seeded random weights of --preset",
+    )
+    p.flag(
+        "--preset",
+        default="small",
+        choices=sorted(FLOW_PRESETS),
+        help="architecture when no checkpoint is given (a checkpoint's shapes win)",
+    )
+    p.flag("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
+    p.flag(
+        "--dtype",
+        default="float32",
+        choices=sorted(DTYPES),
+        help="model dtype; float32 is upstream's, bfloat16 is ~3x faster on Hopper",
+    )
+    p.flag(
+        "--max-batch-size",
+        type=int,
+        default=64,
+        help="requests per solver batch (1 turns batching off, same code path)",
+    )
+    p.flag(
+        "--max-batch-frames",
+        type=int,
+        default=64 * 800,
+        help="cap on rows x padded length per batch (activation memory)",
+    )
+    p.flag(
+        "--max-wait-ms",
+        type=float,
+        default=5.0,
+        help="while busy, how long a batch may wait to fill (0 when the card is idle)",
+    )
+    p.flag(
+        "--min-padding-efficiency",
+        type=float,
+        default=0.5,
+        help="a call joins a batch only if real/padded frames stays above this",
+    )
+    p.flag(
+        "--max-queue",
+        type=int,
+        default=1024,
+        help="waiting calls; past it Generate answers RESOURCE_EXHAUSTED at once",
+    )
+    p.flag("--max-voices", type=int, default=1024, help="voices kept in the LRU cache")
+    p.flag(
+        "--log-batches",
+        type=bool,
+        default=False,
+        help="log each batch's size, lengths, padding and time",
+    )
+    return p
+
+
+def policy_from_args(args: argparse.Namespace) -> BatchPolicy:
+    return BatchPolicy(
+        max_batch_size=args.max_batch_size,
+        max_batch_frames=args.max_batch_frames,
+        max_wait_ms=args.max_wait_ms,
+        max_queue=args.max_queue,
+        min_padding_efficiency=args.min_padding_efficiency,
+    )
+
+
+def warmup_requests(batch: int = 2) -> list[ChunkRequest]:
+    """A first chunk and a final chunk of a 3 s prompt: what the service will see first."""
+    rng = np.random.default_rng(0)
+    voice = Voice(
+        torch.from_numpy(rng.integers(0, 6561, 75)),
+        torch.from_numpy(rng.standard_normal((150, 80)).astype(np.float32)),
+        torch.from_numpy(rng.standard_normal(192).astype(np.float32)),
+    )
+    tokens = torch.from_numpy(rng.integers(0, 6561, 28))
+    return [
+        ChunkRequest(voice, tokens, 0, finalize=i % 2 == 1, streaming=i % 2 == 0)
+        for i in range(batch)
+    ]
+
+
+def create_server(args: argparse.Namespace, model=None):
+    """(server, engine, warmup coroutine factory); `model` overrides loading (tests)."""
+    if model is None:
+        model = load_flow(
+            args.model_dir or None, device=args.device, dtype=DTYPES[args.dtype], preset=args.preset
+        )
+    engine = FlowEngine(model, policy_from_args(args), log_batches=args.log_batches)
+    voices = VoiceCache(args.max_voices)
+    servicer = FlowServicer(engine, voices)
+    server = GrpcServer(
+        ServerOptions.from_args(args),
+        [flow_pb2.DESCRIPTOR.services_by_name["Flow"].full_name],
+        lambda s: flow_pb2_grpc.add_FlowServicer_to_server(servicer, s),
+    )
+
+    async def warmup() -> None:
+        engine.start()
+        await engine.warmup(warmup_requests())
+
+    return server, engine, warmup

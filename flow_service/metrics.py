@@ -1,0 +1,25 @@
+"""Prometheus metrics of the flow service (calls by status code come from the bootstrap)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+BATCH_SIZE = Histogram("t2w_flow_batch_size", "Requests per solver batch", buckets=_SIZES)
+BATCH_PADDED_FRAMES = Histogram(
+    "t2w_flow_batch_padded_frames",
+    "Rows x padded length per batch (frames)",
+    buckets=(100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000),
+)
+PADDING_EFFICIENCY = Histogram(
+    "t2w_flow_padding_efficiency",
+    "Real frames / padded frames per batch",
+    buckets=(0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0),
+)
+QUEUE_WAIT = Histogram("t2w_flow_queue_wait_seconds", "Arrival to batch start", buckets=_SECONDS)
+COMPUTE = Histogram("t2w_flow_batch_compute_seconds", "Solver time per batch", buckets=_SECONDS)
+QUEUE_DEPTH = Gauge("t2w_flow_queue_depth", "Calls waiting for a batch")
+DROPPED = Counter(
+    "t2w_flow_dropped_calls_total", "Calls that left before or during their batch", ["reason"]
+)
+VOICE_CACHE = Gauge("t2w_flow_voice_cache_entries", "Voices held in the LRU cache")

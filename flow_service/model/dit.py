@@ -1,0 +1,273 @@
+"""DiT velocity estimator `decoder.estimator` (ref §4), batched over ragged masked rows.
+
+Attribute names mirror the upstream state-dict keys (checkpoint_keys.md), so flow.pt loads with
+strict matching; the code itself is written for batched inference: channel-last tensors, one
+additive attention bias per call built outside the layer loop, in-place partial rotary.
+
+Dimensions:
+    r  rows = 2B (B conditional rows, then the same B rows unconditional)
+    t  frames (padded to the longest row)
+    c  mel channels (80); x, cond, mu and the speaker vector all have c channels
+    d  model width (1024)
+    h  heads (16), e head width (64); rotary covers the first e channels of q/k = head 0 only
+    f  FFN width (2 d)
+    k  time-feature width (256)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flow_service.model.config import DiTConfig
+
+ROPE_BASE = 10000.0
+TIME_SCALE = 1000.0  # t in [0, 1] is stretched before the sinusoid (F5-TTS convention)
+BIAS_ALIGN = 16  # SDPA's fused kernels want the bias rows 16-element aligned
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.addcmul(shift, x, 1.0 + scale)
+
+
+def attention_bias(
+    seq_lens: torch.Tensor,
+    streaming: torch.Tensor,
+    num_frames: int,
+    block_frames: int,
+    dtype: torch.dtype,
+    mask_padding: bool = True,
+) -> torch.Tensor:
+    """Additive attention bias (r, 1, t, t): 0 where query i may read key j, -inf elsewhere.
+
+    seq_lens [r] valid frames per row; streaming [r] bool. A streaming row's query i sees keys
+    j < (i // block + 1) * block, blocks aligned to frame 0 (ref §4.5); a full row sees every
+    valid key. Padded keys are hidden from every row (`mask_padding=False` exists only to show
+    that the batch-invariance test catches a leak).
+    """
+    device = seq_lens.device
+    num_rows = seq_lens.shape[0]
+    pos = torch.arange(num_frames, device=device)
+    block_end = (pos // block_frames + 1) * block_frames
+    block_causal = pos[None, :] < block_end[:, None]  # (t, t)
+    allowed = block_causal[None] | ~streaming[:, None, None]  # (r, t, t)
+    if mask_padding:
+        # A row of length 0 would leave its queries no key (NaN); give it key 0, never read.
+        lens = seq_lens.clamp(min=1)
+        allowed = allowed & (pos[None, None, :] < lens[:, None, None])
+    width = -(-num_frames // BIAS_ALIGN) * BIAS_ALIGN
+    bias = torch.full((num_rows, 1, num_frames, width), float("-inf"), dtype=dtype, device=device)
+    bias = bias[..., :num_frames]  # aligned row stride: SDPA uses it without a padded copy
+    return bias.masked_fill_(allowed[:, None], 0.0)
+
+
+class TimestepEmbedding(nn.Module):
+    """t (r,) -> (r, d): sinusoid of 1000 t (k features, [sin | cos]) then a SiLU MLP."""
+
+    def __init__(self, dim: int, freq_dim: int):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.time_mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        half = self.freq_dim // 2
+        step = math.log(10000.0) / (half - 1)
+        freqs = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * -step)
+        # fp32 whatever the weights: in bf16, 1000 t would lose the small steps of the schedule
+        angles = TIME_SCALE * t.float()[:, None] * freqs[None, :]  # (r, k/2)
+        feats = torch.cat((angles.sin(), angles.cos()), dim=-1)  # (r, k)
+        return self.time_mlp(feats.to(self.time_mlp[0].weight.dtype))
+
+
+class CausalConvPositionEmbedding(nn.Module):
+    """Two grouped convs (k=31), each after a left zero-pad of k-1 and followed by Mish.
+
+    Strictly causal, so right padding never reaches a valid frame."""
+
+    def __init__(self, dim: int, kernel: int, groups: int):
+        super().__init__()
+        self.kernel = kernel
+        self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel, groups=groups), nn.Mish())
+        self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel, groups=groups), nn.Mish())
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        y = h.transpose(1, 2)  # (r, d, t)
+        y = self.conv1(F.pad(y, (self.kernel - 1, 0)))
+        y = self.conv2(F.pad(y, (self.kernel - 1, 0)))
+        return y.transpose(1, 2)  # (r, t, d)
+
+
+class InputEmbedding(nn.Module):
+    """[x | cond | mu | spk] (4c) -> d, plus the causal conv position embedding."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.proj = nn.Linear(2 * cfg.mel_dim + cfg.mu_dim + cfg.spk_dim, cfg.dim)
+        self.conv_pos_embed = CausalConvPositionEmbedding(
+            cfg.dim, cfg.conv_pos_kernel, cfg.conv_pos_groups
+        )
+
+    def forward(self, x, cond, mu, spks) -> torch.Tensor:
+        spks = spks[:, None, :].expand(-1, x.shape[1], -1)  # (r, t, c)
+        h = self.proj(torch.cat((x, cond, mu, spks), dim=-1))  # (r, t, d)
+        return self.conv_pos_embed(h) + h
+
+
+class RotaryEmbedding(nn.Module):
+    """Interleaved rotary tables for positions 0..t-1 (x-transformers layout: frequency i fills
+    channels 2i and 2i+1). `inv_freq` is a checkpoint key and always stays fp32."""
+
+    def __init__(self, dim_head: int):
+        super().__init__()
+        self.register_buffer("inv_freq", self.frequencies(dim_head))
+
+    @staticmethod
+    def frequencies(dim_head: int) -> torch.Tensor:
+        return 1.0 / (ROPE_BASE ** (torch.arange(0, dim_head, 2).float() / dim_head))
+
+    def reset_buffers(self) -> None:
+        self.inv_freq = self.frequencies(2 * self.inv_freq.shape[0]).to(self.inv_freq.device)
+
+    def _apply(self, fn, *args, **kwargs):
+        # `.to(bfloat16)` would round the frequencies, and with them the phase at far positions.
+        keep = (
+            self.inv_freq.detach().clone().float() if self.inv_freq.device.type != "meta" else None
+        )
+        super()._apply(fn, *args, **kwargs)
+        if keep is not None and self.inv_freq.dtype != torch.float32:
+            self.inv_freq = keep.to(self.inv_freq.device)
+        return self
+
+    def tables(self, num_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(num_frames, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq.float()[None, :]  # (t, e/2)
+        freqs = freqs.repeat_interleave(2, dim=-1)  # (t, e)
+        return freqs.cos(), freqs.sin()
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate channel pairs (2i, 2i+1) of the first e channels of x (r, t, d) in place.
+
+    Applied before the head split, as upstream: only head 0 gets a position signal."""
+    rot = x[..., : cos.shape[-1]]
+    xf = rot.float()
+    pairs = xf.unflatten(-1, (-1, 2))  # (r, t, e/2, 2)
+    swapped = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)  # (r, t, e)
+    rot.copy_(xf * cos + swapped * sin)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, dim_head: int):
+        super().__init__()
+        self.heads = heads
+        self.dim_head = dim_head
+        inner = heads * dim_head
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # key `to_out.0` (1 was dropout)
+
+    def forward(self, h, rope, attn_bias, frame_mask) -> torch.Tensor:
+        r, t, _ = h.shape
+        q, k, v = self.to_q(h), self.to_k(h), self.to_v(h)  # (r, t, h*e) each
+        apply_rotary_(q, *rope)
+        apply_rotary_(k, *rope)
+        q = q.view(r, t, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t, e)
+        k = k.view(r, t, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t, e)
+        v = v.view(r, t, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t, e)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias)  # (r, h, t, e)
+        o = o.transpose(1, 2).reshape(r, t, self.heads * self.dim_head)  # (r, t, h*e)
+        o = self.to_out[0](o)
+        # Upstream zeroes padded query frames; keeps padded garbage bounded, valid frames unchanged.
+        return o if frame_mask is None else o * frame_mask
+
+
+class AdaLayerNormZero(nn.Module):
+    """Modulation from the time embedding: shift, scale, gate (attn) then shift, scale, gate
+    (FFN), in that order. The norm itself (no affine, eps 1e-6) is applied by the block."""
+
+    def __init__(self, dim: int, num_chunks: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, num_chunks * dim)
+
+    def forward(self, temb_act: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        mod = self.linear(temb_act)[:, None, :]  # (r, 1, n*d)
+        return mod.chunk(self.linear.out_features // self.linear.in_features, dim=-1)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, inner: int):
+        super().__init__()
+        # keys ff.0.0 and ff.2: index 1 was dropout upstream
+        self.ff = nn.Sequential(
+            nn.Sequential(nn.Linear(dim, inner), nn.GELU(approximate="tanh")),
+            nn.Identity(),
+            nn.Linear(inner, dim),
+        )
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.ff(h)
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.eps = cfg.norm_eps
+        self.attn_norm = AdaLayerNormZero(cfg.dim, 6)
+        self.attn = Attention(cfg.dim, cfg.heads, cfg.dim_head)
+        self.ff = FeedForward(cfg.dim, cfg.dim * cfg.ff_mult)
+
+    def forward(self, x, temb_act, rope, attn_bias, frame_mask) -> torch.Tensor:
+        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = self.attn_norm(temb_act)
+        d = x.shape[-1]
+        h = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_a, scale_a)
+        x = torch.addcmul(x, gate_a, self.attn(h, rope, attn_bias, frame_mask))
+        h = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_f, scale_f)
+        return torch.addcmul(x, gate_f, self.ff(h))
+
+
+class FinalNorm(nn.Module):
+    """AdaLayerNormZero_Final: chunks in the order scale, then shift (reverse of the blocks)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.linear = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(temb_act)[:, None, :].chunk(2, dim=-1)  # (r, 1, d) each
+        return modulate(F.layer_norm(x, (x.shape[-1],), eps=self.eps), shift, scale)
+
+
+class DiT(nn.Module):
+    """Velocity v(x, t | mu, cond, spk) for r rows; channel-last in and out."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.time_embed = TimestepEmbedding(cfg.dim, cfg.time_freq_dim)
+        self.input_embed = InputEmbedding(cfg)
+        self.rotary_embed = RotaryEmbedding(cfg.dim_head)
+        self.transformer_blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.depth))
+        self.norm_out = FinalNorm(cfg.dim, cfg.norm_eps)
+        self.proj_out = nn.Linear(cfg.dim, cfg.mel_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (r, t, c) noisy mel, compute dtype
+        mu: torch.Tensor,  # (r, t, c) token features; zero in unconditional rows
+        cond: torch.Tensor,  # (r, t, c) prompt mel in the prompt frames, else zero
+        spks: torch.Tensor,  # (r, c) projected speaker vector; zero in unconditional rows
+        t: torch.Tensor,  # (r,) fp32 flow time per row
+        attn_bias: torch.Tensor,  # (r, 1, t, t) additive, from `attention_bias`
+        frame_mask: torch.Tensor | None = None,  # (r, t, 1) 1 valid / 0 padded, compute dtype
+    ) -> torch.Tensor:
+        temb_act = F.silu(self.time_embed(t))  # (r, d); every AdaLN applies SiLU first
+        h = self.input_embed(x, cond, mu, spks)  # (r, t, d)
+        rope = self.rotary_embed.tables(x.shape[1])
+        for block in self.transformer_blocks:
+            h = block(h, temb_act, rope, attn_bias, frame_mask)
+        return self.proj_out(self.norm_out(h, temb_act))  # (r, t, c)

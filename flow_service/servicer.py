@@ -1,0 +1,65 @@
+"""gRPC transport for Generate: proto <-> ChunkRequest, then await the engine."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from flow_service.engine import FlowEngine
+from flow_service.model import ChunkRequest, validate_chunk
+from flow_service.voices import VoiceCache
+from token2wav import MAX_FRAMES, TOKEN_MEL_RATIO
+from token2wav.errors import InvalidArgument
+from token2wav.server import request_id_var
+from token2wav.tensors import decode_tokens, decode_voice, encode
+from token2wav.v1 import common_pb2, flow_pb2, flow_pb2_grpc
+
+MAX_REQUEST_ID = 128
+
+
+def check_request_id(request_id: str, field: str = "request_id") -> str:
+    if len(request_id) > MAX_REQUEST_ID:
+        raise InvalidArgument(field, f"{len(request_id)} characters, limit {MAX_REQUEST_ID}")
+    return request_id
+
+
+class FlowServicer(flow_pb2_grpc.FlowServicer):
+    def __init__(self, engine: FlowEngine, voices: VoiceCache):
+        self.engine = engine
+        self.voices = voices
+
+    def _chunk(self, request: flow_pb2.GenerateRequest) -> tuple[str, ChunkRequest]:
+        which = request.WhichOneof("voice")
+        if which == "inline_voice":
+            voice_id, voice = self.voices.put(decode_voice(request.inline_voice, "inline_voice"))
+        elif which == "voice_id":
+            voice_id, voice = request.voice_id, self.voices.get(request.voice_id)
+        else:
+            raise InvalidArgument("voice", "set inline_voice or voice_id")
+        tokens = decode_tokens(request.tokens, "tokens", max_len=MAX_FRAMES // TOKEN_MEL_RATIO)
+        chunk = ChunkRequest(
+            voice=voice,
+            tokens=torch.from_numpy(tokens),
+            token_offset=request.token_offset,
+            finalize=request.finalize,
+            streaming=request.streaming,
+        )
+        validate_chunk(chunk)
+        return voice_id, chunk
+
+    async def Generate(self, request, context):
+        request_id_var.set(check_request_id(request.request_id) or "-")
+        voice_id, chunk = self._chunk(request)
+        remaining = context.time_remaining()
+        deadline = math.inf if remaining is None else time.monotonic() + remaining
+        result = await self.engine.submit(chunk, deadline)
+        return flow_pb2.GenerateResponse(
+            mel=encode(result.mel),
+            voice_id=voice_id,
+            timing=common_pb2.StageTiming(
+                queue_ms=result.queue_ms, compute_ms=result.compute_ms, batch_size=result.batch_size
+            ),
+            padded_frames=result.padded_frames,
+        )

@@ -1,0 +1,281 @@
+"""flow_service over real gRPC on loopback (small preset, CPU): batching across streams keeps
+each stream's mel equal to its solo result; bad, cancelled and expired calls fail alone;
+overload and drain answer with the documented codes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from flow_service.app import build_parser, create_server
+from flow_service.model import ChunkRequest, Voice, load_flow
+from token2wav.tensors import decode, encode, make_voice
+from token2wav.v1 import flow_pb2, flow_pb2_grpc
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_flow(None, preset="small")
+
+
+class SlowModel(torch.nn.Module):
+    """The real model behind a delay, to hold the runner busy while the test acts."""
+
+    def __init__(self, inner, delay: float):
+        super().__init__()
+        self.inner = inner
+        self.delay = delay
+        self.batch_sizes: list[int] = []
+
+    def generate(self, chunks):
+        self.batch_sizes.append(len(chunks))
+        time.sleep(self.delay)
+        return self.inner.generate(chunks)
+
+
+async def start(model, *flags):
+    args = build_parser().parse_args(["--port", "0", "--metrics-port", "0", *flags])
+    server, engine, warmup = create_server(args, model=model)
+    await server.start()
+    engine.start()
+    await server.set_serving(True)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    return server, engine, channel
+
+
+async def stop(server, engine, channel):
+    await channel.close()
+    await server.drain()
+    await engine.stop()
+
+
+def make_stream(seed: int, n_prompt: int, n_tokens: int):
+    rng = np.random.default_rng(seed)
+    voice = make_voice(
+        rng.integers(0, 6561, n_prompt),
+        rng.standard_normal((2 * n_prompt, 80)).astype(np.float32),
+        rng.standard_normal(192).astype(np.float32),
+    )
+    return voice, rng.integers(0, 6561, n_tokens)
+
+
+def request_for(voice, tokens, offset, finalize, streaming, **kw):
+    return flow_pb2.GenerateRequest(
+        request_id=kw.pop("request_id", "r"),
+        inline_voice=voice.to_proto(),
+        tokens=encode(np.asarray(tokens, np.int32)),
+        token_offset=offset,
+        finalize=finalize,
+        streaming=streaming,
+        **kw,
+    )
+
+
+def solo(model, voice, tokens, offset, finalize, streaming):
+    v = Voice(
+        torch.from_numpy(voice.prompt_token),
+        torch.from_numpy(voice.prompt_feat),
+        torch.from_numpy(voice.embedding),
+    )
+    req = ChunkRequest(
+        v, torch.from_numpy(np.asarray(tokens, np.int64)), offset, finalize, streaming
+    )
+    return model.generate([req])[0].float().cpu().numpy()
+
+
+def close(a, b):
+    return np.abs(a - b).max() <= 1e-4 * max(1e-6, np.abs(b).max())
+
+
+CASES = [  # (prompt tokens, target tokens, offset, finalize, streaming)
+    (p, n, o, f, s)
+    for i, (p, n, o, f, s) in enumerate(
+        [
+            (25, 28, 0, False, True),
+            (10, 40, 15, False, True),
+            (40, 60, 25, True, False),
+            (7, 9, 0, True, True),
+            (30, 78, 25, False, True),
+            (12, 20, 3, True, False),
+            (50, 31, 0, False, True),
+            (18, 55, 40, True, True),
+        ]
+        * 4
+    )
+]
+
+
+async def test_32_concurrent_streams_match_solo_and_batch(model):
+    slow = SlowModel(model, 0.05)  # first batch holds the runner so the rest queue up
+    server, engine, channel = await start(slow, "--max-wait-ms", "20")
+    try:
+        stub = flow_pb2_grpc.FlowStub(channel)
+        streams = [make_stream(100 + i, p, n) for i, (p, n, *_) in enumerate(CASES)]
+        calls = [
+            stub.Generate(request_for(v, t, o, f, s, request_id=f"s{i}"), timeout=60)
+            for i, ((v, t), (_, _, o, f, s)) in enumerate(zip(streams, CASES))
+        ]
+        responses = await asyncio.gather(*calls)
+        for (v, t), (p, n, o, f, s), resp in zip(streams, CASES, responses):
+            mel = decode(resp.mel, "mel", shape=(80, None))
+            ref = solo(model, v, t, o, f, s)
+            assert mel.shape == ref.shape
+            assert close(mel, ref), f"batched != solo for case {(p, n, o, f, s)}"
+            assert resp.voice_id == v.voice_id
+        assert max(slow.batch_sizes) > 1, slow.batch_sizes
+        assert max(r.timing.batch_size for r in responses) > 1
+    finally:
+        await stop(server, engine, channel)
+
+
+def bad_requests(voice, tokens):
+    good = request_for(voice, tokens, 0, False, True)
+    cases = {}
+
+    def variant(name, mutate):
+        r = flow_pb2.GenerateRequest()
+        r.CopyFrom(good)
+        mutate(r)
+        cases[name] = r
+
+    variant(
+        "tokens[2]", lambda r: r.tokens.CopyFrom(encode(np.array([1, 2, 7000, 4, 5], np.int32)))
+    )
+    variant("tokens", lambda r: r.tokens.CopyFrom(encode(np.zeros(0, np.int32))))
+    variant("token_offset", lambda r: setattr(r, "token_offset", len(tokens)))
+    variant(
+        "inline_voice.prompt_feat",
+        lambda r: r.inline_voice.prompt_feat.CopyFrom(encode(voice.prompt_feat[:-1])),
+    )
+    variant(
+        "inline_voice.embedding",
+        lambda r: r.inline_voice.embedding.CopyFrom(encode(voice.embedding[:100])),
+    )
+    variant(
+        "inline_voice.prompt_token[0]",
+        lambda r: r.inline_voice.prompt_token.CopyFrom(
+            encode(np.full(len(voice.prompt_token), 9999, np.int32))
+        ),
+    )
+    variant("voice", lambda r: r.ClearField("inline_voice"))
+    variant("request_id", lambda r: setattr(r, "request_id", "x" * 200))
+    nan_feat = voice.prompt_feat.copy()
+    nan_feat[3, 3] = np.nan
+    variant(
+        "inline_voice.prompt_feat", lambda r: r.inline_voice.prompt_feat.CopyFrom(encode(nan_feat))
+    )
+    # fewer than the 3 lookahead tokens on a non-final chunk
+    variant("tokens", lambda r: r.tokens.CopyFrom(encode(np.array([1, 2], np.int32))))
+    return cases, good
+
+
+async def test_bad_fields_rejected_alone(model):
+    server, engine, channel = await start(SlowModel(model, 0.02))
+    try:
+        stub = flow_pb2_grpc.FlowStub(channel)
+        voice, tokens = make_stream(7, 20, 30)
+        bad, good = bad_requests(voice, tokens)
+        results = await asyncio.gather(
+            *[stub.Generate(r, timeout=30) for r in bad.values()],
+            *[stub.Generate(good, timeout=30) for _ in range(3)],
+            return_exceptions=True,
+        )
+        for field, res in zip(bad, results):
+            assert isinstance(res, grpc.aio.AioRpcError), field
+            assert res.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, res.details())
+            assert res.details().startswith(field.split("[")[0]), (field, res.details())
+        ref = solo(model, voice, tokens, 0, False, True)
+        for res in results[len(bad) :]:
+            assert close(decode(res.mel, "mel"), ref)
+        # An unknown voice id is NOT_FOUND so the caller can resend the voice inline.
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            req = request_for(voice, tokens, 0, False, True)
+            req.voice_id = "v1-" + "0" * 32
+            await stub.Generate(req, timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        # ... and a voice seen inline is then usable by id.
+        req = request_for(voice, tokens, 0, False, True)
+        req.voice_id = voice.voice_id
+        assert close(decode((await stub.Generate(req, timeout=10)).mel, "mel"), ref)
+    finally:
+        await stop(server, engine, channel)
+
+
+async def test_cancel_and_deadline_leave_others_intact(model):
+    slow = SlowModel(model, 0.3)
+    server, engine, channel = await start(slow, "--max-batch-size", "4")
+    try:
+        stub = flow_pb2_grpc.FlowStub(channel)
+        streams = [make_stream(300 + i, 15 + i, 30 + i) for i in range(8)]
+        reqs = [
+            request_for(v, t, 0, False, True, request_id=f"c{i}")
+            for i, (v, t) in enumerate(streams)
+        ]
+        blocker = stub.Generate(reqs[0], timeout=30)  # occupies the runner
+        await asyncio.sleep(0.05)
+        keep = [stub.Generate(r, timeout=30) for r in reqs[1:5]]
+        cancelled = [stub.Generate(r, timeout=30) for r in reqs[5:7]]
+        expiring = stub.Generate(reqs[7], timeout=0.1)
+        await asyncio.sleep(0.05)
+        for c in cancelled:
+            c.cancel()
+        results = await asyncio.gather(blocker, *keep, expiring, *cancelled, return_exceptions=True)
+        kept = results[:5]
+        for (v, t), res in zip(streams[:5], kept):
+            assert close(decode(res.mel, "mel"), solo(model, v, t, 0, False, True))
+        assert isinstance(results[5], grpc.aio.AioRpcError)
+        assert results[5].code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert all(isinstance(r, asyncio.CancelledError) for r in results[6:])
+        await asyncio.sleep(0.5)
+        assert len(engine.scheduler) == 0  # nothing left behind in the queue
+        assert sum(slow.batch_sizes) <= 6  # cancelled/expired calls never reached the model
+    finally:
+        await stop(server, engine, channel)
+
+
+async def test_overload_is_rejected_quickly(model):
+    server, engine, channel = await start(
+        SlowModel(model, 0.5), "--max-queue", "3", "--max-batch-size", "1"
+    )
+    try:
+        stub = flow_pb2_grpc.FlowStub(channel)
+        voice, tokens = make_stream(9, 10, 20)
+        req = request_for(voice, tokens, 0, False, True)
+        first = [stub.Generate(req, timeout=30) for _ in range(4)]  # 1 running + 3 queued
+        await asyncio.sleep(0.2)
+        t0 = time.perf_counter()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Generate(req, timeout=30)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.perf_counter() - t0 < 0.25  # answered at once, not after the queue drains
+        assert len(engine.scheduler) == 3
+        await asyncio.gather(*first)
+    finally:
+        await stop(server, engine, channel)
+
+
+async def test_drain_finishes_in_flight_and_refuses_new(model):
+    args = ["--grace-period", "10"]
+    server, engine, channel = await start(SlowModel(model, 0.4), *args)
+    stub = flow_pb2_grpc.FlowStub(channel)
+    voice, tokens = make_stream(11, 10, 20)
+    req = request_for(voice, tokens, 0, False, True)
+    in_flight = asyncio.ensure_future(stub.Generate(req, timeout=30))
+    await asyncio.sleep(0.1)
+    drain = asyncio.ensure_future(server.drain())
+    await asyncio.sleep(0.1)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Generate(req, timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    resp = await in_flight
+    assert decode(resp.mel, "mel").shape == (80, 2 * (20 - 3))
+    await drain
+    await channel.close()
+    await engine.stop()
