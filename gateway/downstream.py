@@ -1,0 +1,141 @@
+"""Talking to flow and vocoder replicas: flow calls with retry and voice-id reuse, the
+translation of downstream statuses into the gateway's own errors."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from gateway.routing import ReplicaSet
+from token2wav.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    ServiceError,
+    Unavailable,
+)
+from token2wav.tensors import VoiceData, decode, encode
+from token2wav.v1 import flow_pb2, flow_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_PASS_THROUGH = {
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+}
+
+
+def downstream_error(exc: grpc.aio.AioRpcError, what: str) -> Exception:
+    """Capacity and availability problems pass through with their code; anything else a
+    downstream service says about our own request is a gateway bug (INTERNAL)."""
+    cls = _PASS_THROUGH.get(exc.code())
+    if cls is not None:
+        return cls(f"{what}: {exc.details()}")
+    return RuntimeError(f"{what} failed with {exc.code().name}: {exc.details()}")
+
+
+@dataclass
+class FlowOutput:
+    mel: np.ndarray  # (80, frames) float32
+    queue_ms: float
+    compute_ms: float
+    batch_size: int
+
+
+class KnownVoices:
+    """Which voice ids each flow replica has confirmed (bounded), so repeat calls send only
+    the id; a replica that evicted one answers NOT_FOUND and gets the voice inline again."""
+
+    def __init__(self, max_per_replica: int = 4096):
+        self.max = max_per_replica
+        self._known: dict[str, OrderedDict[str, None]] = {}  # address -> voice ids
+
+    def has(self, addr: str, voice_id: str) -> bool:
+        return voice_id in self._known.get(addr, ())
+
+    def add(self, addr: str, voice_id: str) -> None:
+        ids = self._known.setdefault(addr, OrderedDict())
+        ids[voice_id] = None
+        ids.move_to_end(voice_id)
+        while len(ids) > self.max:
+            ids.popitem(last=False)
+
+    def forget(self, addr: str, voice_id: str) -> None:
+        self._known.get(addr, {}).pop(voice_id, None)
+
+
+class FlowClient:
+    def __init__(self, replicas: ReplicaSet, max_attempts: int = 3):
+        self.replicas = replicas
+        self.max_attempts = max_attempts
+        self.known = KnownVoices()
+
+    async def generate(
+        self,
+        *,
+        request_id: str,
+        seq: int,
+        voice: VoiceData,
+        tokens: np.ndarray,
+        token_offset: int,
+        finalize: bool,
+        streaming: bool,
+        timeout: float | None,
+    ) -> FlowOutput:
+        base = flow_pb2.GenerateRequest(
+            request_id=request_id,
+            seq=seq,
+            tokens=encode(tokens.astype(np.int32)),
+            token_offset=token_offset,
+            finalize=finalize,
+            streaming=streaming,
+        )
+        voice_id = voice.voice_id
+        last: grpc.aio.AioRpcError | None = None
+        order = await self.replicas.round_robin()
+        for attempt in range(self.max_attempts):
+            addr = order[attempt % len(order)]
+            stub = flow_pb2_grpc.FlowStub(self.replicas.channel(addr))
+            inline = not self.known.has(addr, voice_id)
+            for _ in range(2):  # a NOT_FOUND for the id is answered once with the voice inline
+                req = flow_pb2.GenerateRequest()
+                req.CopyFrom(base)
+                if inline:
+                    req.inline_voice.CopyFrom(voice.to_proto())
+                else:
+                    req.voice_id = voice_id
+                try:
+                    resp = await stub.Generate(req, timeout=timeout)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.NOT_FOUND and not inline:
+                        self.known.forget(addr, voice_id)
+                        inline = True
+                        continue
+                    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        raise InvalidArgument(
+                            "tokens", f"flow service rejected chunk {seq}: {exc.details()}"
+                        ) from exc
+                    if exc.code() == grpc.StatusCode.NOT_FOUND:
+                        raise NotFound(exc.details()) from exc
+                    last = exc
+                    break
+                self.known.add(addr, voice_id)
+                mel = decode(resp.mel, "mel", shape=(80, None))
+                t = resp.timing
+                return FlowOutput(mel, t.queue_ms, t.compute_ms, t.batch_size)
+            if last is None or last.code() != grpc.StatusCode.UNAVAILABLE:
+                break  # only UNAVAILABLE is worth another replica
+            logger.warning(
+                "flow replica %s unavailable (%s); retrying elsewhere", addr, last.details()
+            )
+        assert last is not None
+        raise downstream_error(last, f"flow chunk {seq}")
+
+
+__all__ = ["FlowClient", "FlowOutput", "downstream_error", "ServiceError"]

@@ -1,0 +1,15 @@
+"""Prometheus metrics of the gateway (calls by status code come from the bootstrap)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+ACTIVE_STREAMS = Gauge("t2w_gateway_active_streams", "Synthesize streams open now")
+STREAMS = Counter("t2w_gateway_streams_total", "Finished streams by outcome", ["outcome"])
+FIRST_CHUNK = Histogram(
+    "t2w_gateway_first_chunk_seconds",
+    "First chunk's tokens complete -> its audio sent",
+    buckets=(0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 1, 2, 5, 10),
+)
+STREAM_SECONDS = Histogram(
+    "t2w_gateway_stream_seconds", "Stream duration", buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300)
+)
+AUDIO_SECONDS = Counter("t2w_gateway_audio_seconds_total", "Audio seconds sent to clients")

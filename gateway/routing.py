@@ -1,0 +1,115 @@
+"""Finding replicas: a static list or a DNS name, one channel per address.
+
+Flow calls are stateless and idempotent, so they go round robin and move to the next replica on
+UNAVAILABLE. A stream's vocoder session lives on one replica, chosen by rendezvous (highest
+random weight) hashing of the request id over the current addresses: every gateway picks the
+same replica for the same id, and adding or removing a replica moves only the streams that
+hashed to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import socket
+import time
+
+import grpc
+
+from token2wav.server import channel_options
+
+logger = logging.getLogger(__name__)
+
+
+def parse_spec(spec: str) -> tuple[list[str], tuple[str, int] | None]:
+    """'h1:p1,h2:p2' -> (addresses, None); 'dns:///name:port' -> ([], (name, port))."""
+    spec = spec.strip()
+    if spec.startswith("dns:///"):
+        host, _, port = spec[len("dns:///") :].rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"bad DNS target {spec!r}: want dns:///NAME:PORT")
+        return [], (host, int(port))
+    addrs = [a.strip() for a in spec.split(",") if a.strip()]
+    for a in addrs:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"bad address {a!r}: want HOST:PORT")
+    if not addrs:
+        raise ValueError("no addresses given")
+    return addrs, None
+
+
+def rendezvous(key: str, addresses: list[str]) -> str:
+    def weight(addr: str) -> int:
+        return int.from_bytes(
+            hashlib.blake2b(f"{key}|{addr}".encode(), digest_size=8).digest(), "big"
+        )
+
+    return max(addresses, key=weight)
+
+
+class ReplicaSet:
+    def __init__(self, spec: str, *, refresh_s: float = 5.0, max_message_mb: int = 64):
+        self.spec = spec
+        self._static, self._dns = parse_spec(spec)
+        self.refresh_s = refresh_s
+        self._options = channel_options(max_message_mb)
+        self._addresses: list[str] = list(self._static)
+        self._resolved_at = -1e9
+        self._channels: dict[str, grpc.aio.Channel] = {}  # address -> channel
+        self._next = 0
+        self._lock = asyncio.Lock()
+
+    async def addresses(self) -> list[str]:
+        if self._dns and time.monotonic() - self._resolved_at > self.refresh_s:
+            async with self._lock:
+                if time.monotonic() - self._resolved_at > self.refresh_s:
+                    await self._resolve()
+        if not self._addresses:
+            raise OSError(f"no replicas resolved for {self.spec}")
+        return self._addresses
+
+    async def _resolve(self) -> None:
+        host, port = self._dns
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host, port, type=socket.SOCK_STREAM
+            )
+        except OSError as exc:
+            logger.warning(
+                "cannot resolve %s: %s (keeping %d known replicas)", host, exc, len(self._addresses)
+            )
+            self._resolved_at = time.monotonic() - self.refresh_s + 1.0  # retry in a second
+            return
+        addrs = sorted(
+            {f"[{i[4][0]}]:{port}" if ":" in i[4][0] else f"{i[4][0]}:{port}" for i in infos}
+        )
+        if addrs != self._addresses:
+            logger.info("%s -> %s", self.spec, addrs)
+            for gone in set(self._channels) - set(addrs):
+                channel = self._channels.pop(gone)
+                asyncio.get_running_loop().create_task(channel.close(grace=30))
+        self._addresses = addrs
+        self._resolved_at = time.monotonic()
+
+    def channel(self, addr: str) -> grpc.aio.Channel:
+        ch = self._channels.get(addr)
+        if ch is None:
+            ch = self._channels[addr] = grpc.aio.insecure_channel(addr, options=self._options)
+        return ch
+
+    async def round_robin(self) -> list[str]:
+        """All addresses, starting at the next one in turn (the rest are retry targets)."""
+        addrs = await self.addresses()
+        start = self._next % len(addrs)
+        self._next += 1
+        return addrs[start:] + addrs[:start]
+
+    async def pick(self, key: str) -> str:
+        return rendezvous(key, await self.addresses())
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()

@@ -1,0 +1,110 @@
+"""The batcher: decides what runs. Each step takes at most one ready chunk per session (a session's
+chunks depend on each other through its state), oldest first, and advances them all in one
+model call in the worker thread; results go back to the manager by slot.
+
+`max_batch_sessions=1` turns batching across sessions off through the same code path (the A/B
+of the benchmark). The batcher touches no tensors: the runner does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from vocoder_service import metrics
+from vocoder_service.chunks import Chunk
+from vocoder_service.config import BatcherConfig
+from vocoder_service.manager import SessionManager
+from vocoder_service.runner import HiFTRunner, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepPlan:
+    chunks: list[Chunk]  # [num_slots] one per session; slot i of the step is chunks[i]
+    started_at: float  # manager clock, for queue time
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.chunks)
+
+
+class Batcher:
+    def __init__(self, manager: SessionManager, runner: HiFTRunner, config: BatcherConfig):
+        self.manager = manager
+        self.runner = runner
+        self.config = config
+        # One worker: steps run one after another (each advances states the next may read),
+        # while the event loop keeps admitting chunks and answering duplicates.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="hift-step")
+        self.num_steps = 0
+
+    def schedule(self) -> StepPlan | None:
+        chunks = self.manager.take_ready(self.config.max_batch_sessions)
+        return StepPlan(chunks, self.manager.clock()) if chunks else None
+
+    def update(self, plan: StepPlan, out: StepOutput) -> None:
+        n = plan.num_slots
+        if not (len(out.audio) == len(out.errors) == len(out.fatal) == n):
+            # Never guess which answer belongs to whom: fail every slot (invariant 5).
+            exc = RuntimeError(f"step output has {len(out.audio)} slots, the plan {n}")
+            out = StepOutput([None] * n, [exc] * n, [True] * n)
+        for i, chunk in enumerate(plan.chunks):
+            if out.errors[i] is None:
+                samples = out.state_samples[i] if i < len(out.state_samples) else None
+                self.manager.complete(
+                    chunk,
+                    out.audio[i],
+                    compute_ms=out.compute_ms,
+                    batch_size=n,
+                    started_at=plan.started_at,
+                    state_samples=samples,
+                )
+            else:
+                self.manager.reject(chunk, out.errors[i], fatal=out.fatal[i])
+        self.num_steps += 1
+        metrics.BATCH_SESSIONS.observe(n)
+        metrics.STEP_SECONDS.observe(out.compute_ms / 1e3)
+
+    async def _wait_for_batch(self) -> None:
+        """Until something is ready; then, unless the batch is already full, until the oldest
+        ready chunk has waited `max_wait_ms`, so sessions arriving together share a step."""
+        await self.manager.wait_ready()
+        if self.config.max_wait_ms <= 0:
+            return
+        oldest = self.manager.oldest_ready_at()
+        if oldest is None or self.manager.num_ready >= self.config.max_batch_sessions:
+            return
+        remaining = oldest + self.config.max_wait_ms / 1e3 - self.manager.clock()
+        if remaining > 0:
+            await asyncio.sleep(remaining)
+
+    async def run_step(self) -> StepPlan | None:
+        plan = self.schedule()
+        if plan is None:
+            return None
+        loop = asyncio.get_running_loop()
+        states = [c.session.state for c in plan.chunks]
+        mels = [c.mel for c in plan.chunks]
+        finalize = [c.finalize for c in plan.chunks]
+        try:
+            out = await loop.run_in_executor(
+                self.executor, self.runner.execute, states, mels, finalize
+            )
+        except Exception as exc:  # noqa: BLE001 - the runner catches model errors; this is a bug
+            logger.exception("step runner crashed")
+            n = plan.num_slots
+            out = StepOutput([None] * n, [exc] * n, [True] * n)
+        self.update(plan, out)
+        return plan
+
+    async def run(self) -> None:
+        while True:
+            await self._wait_for_batch()
+            await self.run_step()
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,87 @@
+"""The plain objects that flow between servicer, session manager, batcher and runner.
+
+A `Chunk` is one validated VocoderChunk; a `ChunkAudio` is the answer to it. Neither knows gRPC
+or torch; mel and audio are numpy arrays (the runner moves them to the device).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from token2wav.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from vocoder_service.sessions import Session
+
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def check_request_id(request_id: str, field: str = "request_id") -> str:
+    if not request_id:
+        raise InvalidArgument(field, "empty; every chunk must name its session")
+    if not REQUEST_ID_RE.fullmatch(request_id):
+        shown = request_id if len(request_id) <= 40 else request_id[:40] + "..."
+        raise InvalidArgument(
+            field, f"{shown!r} is not 1..128 characters of [A-Za-z0-9._:-] ({len(request_id)})"
+        )
+    return request_id
+
+
+def chunk_digest(mel: np.ndarray, finalize: bool) -> bytes:
+    """What makes two chunks under one seq "the same": frames, values and the finalize flag."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{mel.shape[1]}:{int(finalize)}:".encode())
+    h.update(np.ascontiguousarray(mel, dtype="<f4").tobytes())
+    return h.digest()
+
+
+@dataclass(eq=False)
+class Chunk:
+    """One chunk of mel for one session, on its way to being applied."""
+
+    request_id: str
+    seq: int
+    mel: np.ndarray  # (80, F) float32, F >= 1 unless finalize
+    finalize: bool
+    digest: bytes = b""
+    arrival: float = field(default_factory=time.monotonic)
+    ready_at: float = 0.0  # when it became the next applicable chunk of its session
+    future: asyncio.Future | None = None  # -> ChunkAudio; shared by duplicates of this seq
+    session: Session | None = None  # the session object it was admitted to
+
+    def __post_init__(self):
+        if not self.digest:
+            self.digest = chunk_digest(self.mel, self.finalize)
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.mel.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.mel.nbytes)
+
+
+@dataclass(frozen=True)
+class ChunkAudio:
+    """The answer to one chunk: samples [sample_offset, sample_offset + len(audio))."""
+
+    request_id: str
+    seq: int
+    sample_offset: int
+    audio: np.ndarray  # (S,) float32
+    is_final: bool
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
+    batch_size: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.audio.nbytes)

@@ -1,0 +1,87 @@
+"""vocoder_service configuration: one frozen dataclass per component (sessions, batcher, model),
+gathered in `VocoderServiceConfig`, which `__main__` fills from flags / env vars.
+
+Memory bound of one session (what `Session.nbytes` reports, and why it cannot grow):
+    HiFT state            model-dependent, bounded by the model's window (state.nbytes)
+  + reorder buffer        <= reorder_bytes            (early chunks waiting for a gap)
+  + the in-order chunk    <= max_chunk_frames x 80 x 4 (the one chunk that can always enter)
+  + retry cache           <= retry_cache_bytes        (audio of recently applied chunks)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from token2wav import MAX_FRAMES, MEL_BINS
+
+MEL_FRAME_BYTES = MEL_BINS * 4  # one float32 mel frame on the wire
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Lifetime and bounds of the per-stream sessions (`SessionManager`)."""
+
+    max_num_sessions: int = 256  # open sessions; one more answers RESOURCE_EXHAUSTED
+    idle_timeout_s: float = 30.0  # no chunk for this long: the session is evicted (NOT_FOUND)
+    gap_timeout_s: float = 5.0  # an early chunk waits this long for the gap before ABORTED
+    reorder_window: int = 8  # chunks: seq may run at most this far ahead of the next expected
+    reorder_bytes: int = 16 << 20  # mel bytes held for early chunks of one session
+    # Duplicates are answered from the audio of the last `retry_window` applied chunks. An
+    # older duplicate (or one whose audio was dropped by the byte cap) is ABORTED: the gateway
+    # only retries chunks whose answer it has not seen, which are the most recent ones.
+    retry_window: int = 8
+    retry_cache_bytes: int = 8 << 20  # audio bytes kept for retries; the newest entry always
+    max_chunk_frames: int = MAX_FRAMES  # mel frames in one chunk (a 300 s non-streaming call)
+    # Finalized and failed sessions linger as small tombstones for `idle_timeout_s`, so a retry
+    # of the final chunk still gets its audio and a late chunk gets ABORTED, not NOT_FOUND.
+    max_num_closed: int = 1024
+    sweep_interval_s: float = 0.5  # how often idle sessions and stale gaps are checked
+
+    def __post_init__(self):
+        for name in ("max_num_sessions", "reorder_window", "retry_window", "max_chunk_frames"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("idle_timeout_s", "gap_timeout_s", "sweep_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.reorder_bytes < 0 or self.retry_cache_bytes < 0 or self.max_num_closed < 0:
+            raise ValueError("byte and tombstone limits must be >= 0")
+
+
+@dataclass(frozen=True)
+class BatcherConfig:
+    """How chunks of different sessions are grouped into one model step (`Batcher`)."""
+
+    max_batch_sessions: int = 64  # sessions per step; 1 turns batching off (same code path)
+    # A step waits at most this long after its oldest chunk became ready for more sessions to
+    # join. Small: chunks of one stream come 1-4 s apart, so waiting longer buys no batch.
+    max_wait_ms: float = 2.0
+
+    def __post_init__(self):
+        if self.max_batch_sessions < 1:
+            raise ValueError("max_batch_sessions must be >= 1")
+        if self.max_wait_ms < 0:
+            raise ValueError("max_wait_ms must be >= 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which HiFT to load and where."""
+
+    preset: str | None = (
+        None  # HIFT_PRESETS key; None: "cosyvoice3-0.5b" with model_dir, else "small"
+    )
+    model_dir: str | None = None  # directory holding hift.pt; None: random weights
+    device: str = "cpu"
+    dtype: str = "float32"  # float32 | bfloat16 (the f0 path stays float64 inside the model)
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype {self.dtype!r}: want float32 or bfloat16")
+
+
+@dataclass(frozen=True)
+class VocoderServiceConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sessions: SessionConfig = field(default_factory=SessionConfig)
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)

@@ -1,0 +1,45 @@
+"""Prometheus metrics of the vocoder service (module level: one registry per process)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+ACTIVE_SESSIONS = Gauge("t2w_vocoder_active_sessions", "Open sessions (holding HiFT state)")
+CLOSED_SESSIONS = Gauge(
+    "t2w_vocoder_closed_sessions", "Finalized/failed sessions kept as tombstones for retries"
+)
+EVICTIONS = Counter(
+    "t2w_vocoder_evictions_total",
+    "Sessions that left the active set, by reason",
+    ["reason"],  # idle | finalize | cancel | error | moved | replaced
+)
+CHUNKS = Counter(
+    "t2w_vocoder_chunks_total",
+    "Chunks received, by outcome",
+    ["outcome"],  # applied | duplicate | rejected | failed
+)
+CHUNK_LATENCY = Histogram(
+    "t2w_vocoder_chunk_latency_seconds",
+    "From a chunk's arrival to its audio (includes waiting for earlier seqs)",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+QUEUE_SECONDS = Histogram(
+    "t2w_vocoder_queue_seconds",
+    "From a chunk becoming applicable (its turn in seq order) to its step starting",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+)
+STEP_SECONDS = Histogram(
+    "t2w_vocoder_step_seconds",
+    "Model time of one batched HiFT step (device synchronised)",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+BATCH_SESSIONS = Histogram(
+    "t2w_vocoder_batch_sessions",
+    "Sessions advanced by one step",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
+STATE_BYTES = Gauge(
+    "t2w_vocoder_state_bytes",
+    "Bytes held by all sessions: HiFT state + reorder buffer + retry cache",
+)
+MAX_SESSION_BYTES = Gauge("t2w_vocoder_max_session_bytes", "Largest single session, bytes")

@@ -1,0 +1,42 @@
+"""Causal HiFT vocoder model (ref §5): full-history decode, bounded incremental sessions batched
+across streams, versioned session export, strict hift.pt loading. No grpc, no session ids."""
+
+from vocoder_service.model.config import (
+    HIFT_PRESETS,
+    HOLDBACK_FRAMES,
+    HOP_SAMPLES,
+    MAX_FRAMES,
+    MAX_SAMPLES,
+    MEL_BINS,
+    NOISE_SEED,
+    SAMPLE_RATE,
+    HiFTConfig,
+    receptive_field_frames,
+)
+from vocoder_service.model.errors import CheckpointError, InvalidInput
+from vocoder_service.model.generator import HiFTGenerator
+from vocoder_service.model.loading import infer_config, init_random_weights, load_hift
+from vocoder_service.model.noise import hift_noise_buffers
+from vocoder_service.model.session import STATE_VERSION, HiFTSessionState
+
+__all__ = [
+    "HIFT_PRESETS",
+    "HOLDBACK_FRAMES",
+    "HOP_SAMPLES",
+    "MAX_FRAMES",
+    "MAX_SAMPLES",
+    "MEL_BINS",
+    "NOISE_SEED",
+    "SAMPLE_RATE",
+    "STATE_VERSION",
+    "CheckpointError",
+    "HiFTConfig",
+    "HiFTGenerator",
+    "HiFTSessionState",
+    "InvalidInput",
+    "hift_noise_buffers",
+    "infer_config",
+    "init_random_weights",
+    "load_hift",
+    "receptive_field_frames",
+]

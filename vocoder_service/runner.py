@@ -1,0 +1,129 @@
+"""The runner: owns the model and the device, runs one batched HiFT step in the worker thread.
+
+It sees slots (a list of states and mels), never sessions or request ids. Results come back
+by slot; a model that answers a different number of slots fails the whole step (invariant 5).
+A bad input in one slot (a ValueError with `.field`, raised before any state changes) does not
+sink the others: the step is re-run slot by slot, so only the offending chunk is rejected.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from token2wav import MEL_BINS
+from token2wav.errors import InvalidArgument
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def is_input_error(exc: BaseException) -> bool:
+    """A caller mistake the model detected before touching any state."""
+    return isinstance(exc, ValueError) and bool(getattr(exc, "field", None))
+
+
+@dataclass
+class StepOutput:
+    """What one step produced, slot by slot."""
+
+    audio: list[np.ndarray | None]  # [num_slots] (S_i,) float32; None where the slot failed
+    errors: list[BaseException | None]  # [num_slots]
+    fatal: list[bool]  # [num_slots] True: the slot's state may be half-advanced
+    state_samples: list[int | None] = field(default_factory=list)  # [num_slots] after the step
+    compute_ms: float = 0.0
+
+
+class HiFTRunner:
+    """`execute(states, mels, finalize)` advances one chunk per slot in one model call."""
+
+    def __init__(self, model: Any, device: str | torch.device = "cpu"):
+        self.model = model  # loaded in its compute dtype; it casts each step's mel itself
+        self.device = torch.device(device)
+        # A dedicated stream keeps the worker thread's kernels off the default stream, so
+        # anything else on the device (another model in the process) does not serialise with it.
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def new_state(self) -> Any:
+        return self.model.new_session()
+
+    def _step(self, states: list, mels: list[np.ndarray], finalize: list[bool]) -> list:
+        # CPU float32 in: the model keeps its mel history on the host and moves each step's
+        # batch to the device itself (one copy per step rather than one per chunk).
+        return self.model.step(states, [torch.from_numpy(m) for m in mels], finalize)
+
+    def execute(self, states: list, mels: list[np.ndarray], finalize: list[bool]) -> StepOutput:
+        n = len(states)
+        out = StepOutput([None] * n, [None] * n, [False] * n)
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+        start = time.perf_counter()
+        with torch.inference_mode(), ctx:
+            self._run_slots(list(range(n)), states, mels, finalize, out)
+            if self.stream is not None:
+                self.stream.synchronize()
+        out.compute_ms = (time.perf_counter() - start) * 1e3
+        out.state_samples = [getattr(s, "num_samples_emitted", None) for s in states]
+        return out
+
+    def _run_slots(self, slots: list[int], states, mels, finalize, out: StepOutput) -> None:
+        """Run `slots` as one batch; a bad row is taken out (the model validates every row before
+        any state changes) and the rest re-run, so one bad chunk never fails the others."""
+        while slots:
+            try:
+                audio = self._step(
+                    [states[i] for i in slots],
+                    [mels[i] for i in slots],
+                    [finalize[i] for i in slots],
+                )
+                if len(audio) != len(slots):
+                    raise RuntimeError(f"model.step answered {len(audio)} slots for {len(slots)}")
+                for i, a in zip(slots, audio):
+                    out.audio[i] = _to_numpy(a)
+                return
+            except Exception as exc:  # noqa: BLE001 - sorted into input errors and failures
+                row = getattr(exc, "row", None)
+                if is_input_error(exc) and isinstance(row, int) and 0 <= row < len(slots):
+                    i = slots.pop(row)
+                    out.errors[i], out.fatal[i] = _client_error(exc)
+                    continue
+                if is_input_error(exc) and len(slots) > 1:
+                    for i in slots:  # no row given: find the culprit(s) one by one
+                        self._run_slots([i], states, mels, finalize, out)
+                    return
+                if not is_input_error(exc):
+                    logger.error("HiFT step of %d slots failed: %r", len(slots), exc)
+                for i in slots:
+                    out.errors[i], out.fatal[i] = _client_error(exc)
+                return
+
+    def warmup(self, num_frames: int = 24) -> float:
+        """One dummy step (kernels, allocator, lazy init); returns its time in ms."""
+        state = self.new_state()
+        mel = np.zeros((MEL_BINS, num_frames), dtype=np.float32)
+        out = self.execute([state], [mel], [True])
+        if out.errors[0] is not None:
+            raise RuntimeError(f"warm-up step failed: {out.errors[0]!r}")
+        return out.compute_ms
+
+
+def _client_error(exc: BaseException) -> tuple[BaseException, bool]:
+    """(error for the chunk's caller, whether its session must fail). The model names batch
+    rows (`mels[3]`); the client sent one chunk, whose fields are `mel` and `finalize`."""
+    if not is_input_error(exc):
+        return exc, True
+    name = exc.field.split("[", 1)[0]
+    field = {"mels": "mel", "mel": "mel", "finalize": "finalize"}.get(name)
+    if field is None:  # the model refused the session state itself: our bug, not the client's
+        return RuntimeError(f"model refused the session state: {exc}"), True
+    return InvalidArgument(field, getattr(exc, "problem", str(exc))), False
+
+
+def _to_numpy(audio: torch.Tensor) -> np.ndarray:
+    return audio.detach().to("cpu", torch.float32).contiguous().numpy().reshape(-1)
