@@ -69,7 +69,7 @@ def build_parser() -> EnvParser:
     p.flag(
         "--min-padding-efficiency",
         type=float,
-        default=0.5,
+        default=0.7,
         help="a call joins a batch only if real/padded frames stays above this",
     )
     p.flag(
@@ -79,6 +79,18 @@ def build_parser() -> EnvParser:
         help="waiting calls; past it Generate answers RESOURCE_EXHAUSTED at once",
     )
     p.flag("--max-voices", type=int, default=1024, help="voices kept in the LRU cache")
+    p.flag(
+        "--cuda-graphs",
+        type=bool,
+        default=True,
+        help="on CUDA, replay captured graphs for batches of up to --graph-max-batch requests",
+    )
+    p.flag(
+        "--graph-max-batch",
+        type=int,
+        default=8,
+        help="largest batch (requests) run through CUDA graphs; larger ones run eagerly",
+    )
     p.flag(
         "--log-batches",
         type=bool,
@@ -98,19 +110,28 @@ def policy_from_args(args: argparse.Namespace) -> BatchPolicy:
     )
 
 
-def warmup_requests(batch: int = 2) -> list[ChunkRequest]:
-    """A first chunk and a final chunk of a 3 s prompt: what the service will see first."""
+def warmup_batch(batch: int, num_frames: int) -> list[ChunkRequest]:
+    """`batch` requests whose DiT sequence is `num_frames` long (>= 4), streaming and final
+    rows alternating, from a fixed random voice."""
     rng = np.random.default_rng(0)
+    n_p = min(25, num_frames // 4)
     voice = Voice(
-        torch.from_numpy(rng.integers(0, 6561, 75)),
-        torch.from_numpy(rng.standard_normal((150, 80)).astype(np.float32)),
+        torch.from_numpy(rng.integers(0, 6561, n_p)),
+        torch.from_numpy(rng.standard_normal((2 * n_p, 80)).astype(np.float32)),
         torch.from_numpy(rng.standard_normal(192).astype(np.float32)),
     )
-    tokens = torch.from_numpy(rng.integers(0, 6561, 28))
-    return [
-        ChunkRequest(voice, tokens, 0, finalize=i % 2 == 1, streaming=i % 2 == 0)
-        for i in range(batch)
-    ]
+    n_emit = num_frames // 2 - n_p
+    reqs = []
+    for i in range(batch):
+        final = i % 2 == 1
+        tokens = torch.from_numpy(rng.integers(0, 6561, n_emit + (0 if final else 3)))
+        reqs.append(ChunkRequest(voice, tokens, 0, finalize=final, streaming=not final))
+    return reqs
+
+
+def warmup_requests() -> list[ChunkRequest]:
+    """A first chunk and a final chunk of a 3 s prompt: what the service will see first."""
+    return warmup_batch(2, 200)
 
 
 def create_server(args: argparse.Namespace, model=None):
@@ -119,7 +140,13 @@ def create_server(args: argparse.Namespace, model=None):
         model = load_flow(
             args.model_dir or None, device=args.device, dtype=DTYPES[args.dtype], preset=args.preset
         )
-    engine = FlowEngine(model, policy_from_args(args), log_batches=args.log_batches)
+    engine = FlowEngine(
+        model,
+        policy_from_args(args),
+        log_batches=args.log_batches,
+        cuda_graphs=args.cuda_graphs,
+        graph_max_batch=args.graph_max_batch,
+    )
     voices = VoiceCache(args.max_voices)
     servicer = FlowServicer(engine, voices)
     server = GrpcServer(

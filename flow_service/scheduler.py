@@ -32,7 +32,7 @@ class BatchPolicy:
     max_queue: int = 1024  # waiting calls; past it new calls get RESOURCE_EXHAUSTED
     # Real frames / padded frames a batch must keep when a call joins; below it the call waits
     # for a batch nearer its own length instead of riding along (padding is wasted compute).
-    min_padding_efficiency: float = 0.5
+    min_padding_efficiency: float = 0.7
 
     def __post_init__(self):
         if self.max_batch_size < 1:

@@ -12,6 +12,7 @@ import numpy as np
 
 from gateway.routing import ReplicaSet
 from token2wav.errors import (
+    Aborted,
     DeadlineExceeded,
     InvalidArgument,
     NotFound,
@@ -25,6 +26,7 @@ from token2wav.v1 import flow_pb2, flow_pb2_grpc
 logger = logging.getLogger(__name__)
 
 _PASS_THROUGH = {
+    grpc.StatusCode.ABORTED: Aborted,  # e.g. a vocoder session whose seq gap never filled
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,

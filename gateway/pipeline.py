@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -79,6 +80,10 @@ class StreamPipeline:
         self._tasks: list[asyncio.Task] = []
         self._vocoder_addr: str | None = None
         self._finished = False
+        # The vocoder session key is unique per stream, not the client's request id alone: a
+        # client that reuses an id (a retry, a second utterance) must never be answered from the
+        # finished session the vocoder still keeps for retries of the old stream.
+        self.session_id = f"{setup.request_id[:100]}:{uuid.uuid4().hex[:16]}"
 
     # -- helpers -----------------------------------------------------------------------------
     def _timeout(self) -> float | None:
@@ -185,7 +190,7 @@ class StreamPipeline:
             chunk = await self._chunk(seq)
             out = await self._mels[seq]
             yield vocoder_pb2.VocoderChunk(
-                request_id=self.setup.request_id,
+                request_id=self.session_id,
                 seq=seq,
                 mel=encode(out.mel),
                 finalize=chunk.finalize,
@@ -281,7 +286,7 @@ class StreamPipeline:
             stub = vocoder_pb2_grpc.VocoderStub(self.vocoders.channel(self._vocoder_addr))
             try:
                 await stub.CancelSession(
-                    vocoder_pb2.CancelSessionRequest(request_id=self.setup.request_id), timeout=1.0
+                    vocoder_pb2.CancelSessionRequest(request_id=self.session_id), timeout=1.0
                 )
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND:

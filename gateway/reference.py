@@ -14,14 +14,21 @@ from token2wav.tensors import VoiceData
 
 
 def model_voice(voice: VoiceData) -> Voice:
-    return Voice(torch.from_numpy(voice.prompt_token.copy()),
-                 torch.from_numpy(voice.prompt_feat.copy()),
-                 torch.from_numpy(voice.embedding.copy()))
+    return Voice(
+        torch.from_numpy(voice.prompt_token.copy()),
+        torch.from_numpy(voice.prompt_feat.copy()),
+        torch.from_numpy(voice.embedding.copy()),
+    )
 
 
 @torch.inference_mode()
-def reference_synthesis(flow: FlowModel, hift, voice: VoiceData, tokens: np.ndarray,
-                        schedule: ScheduleConfig = ScheduleConfig()) -> list[np.ndarray]:
+def reference_synthesis(
+    flow: FlowModel,
+    hift,
+    voice: VoiceData,
+    tokens: np.ndarray,
+    schedule: ScheduleConfig = ScheduleConfig(),
+) -> list[np.ndarray]:
     """Audio chunks (float32) as upstream's streaming token2wav would emit them."""
     v = model_voice(voice)
     ids = torch.from_numpy(np.asarray(tokens, np.int64))
@@ -30,8 +37,9 @@ def reference_synthesis(flow: FlowModel, hift, voice: VoiceData, tokens: np.ndar
     emitted = 0
     chunks: list[np.ndarray] = []
     while (chunk := planner.next_chunk(len(ids), ended=True)) is not None:
-        req = ChunkRequest(v, ids[: chunk.num_tokens], chunk.token_offset, chunk.finalize,
-                           chunk.streaming)
+        req = ChunkRequest(
+            v, ids[: chunk.num_tokens], chunk.token_offset, chunk.finalize, chunk.streaming
+        )
         mel = flow.generate([req])[0].float().cpu()
         mel_history = torch.cat([mel_history, mel], dim=1)
         speech = hift.decode(mel_history, finalize=chunk.finalize).float().cpu().numpy()

@@ -51,8 +51,9 @@ class Stack:
         return f"127.0.0.1:{self.gateway_server.port}"
 
     @property
-    def sessions(self) -> dict:
-        return self.vocoder_server.service.manager._active
+    def sessions(self) -> set[str]:
+        """Open vocoder sessions, by the client request id they serve (keys add a nonce)."""
+        return {rid.rsplit(":", 1)[0] for rid in self.vocoder_server.service.manager._active}
 
     async def stop(self):
         await self.gateway_server.drain()
@@ -254,7 +255,9 @@ async def _call(target, messages, timeout=20):
     def call():
         with grpc.insecure_channel(target) as ch:
             with pytest.raises(grpc.RpcError) as info:
-                for _ in gateway_pb2_grpc.GatewayStub(ch).Synthesize(iter(messages), timeout=timeout):
+                for _ in gateway_pb2_grpc.GatewayStub(ch).Synthesize(
+                    iter(messages), timeout=timeout
+                ):
                     pass
             return info.value.code(), info.value.details()
 
@@ -342,3 +345,19 @@ def test_cli_synthesize_writes_wav(models, tmp_path):
     with wave.open(str(tmp_path / "out.wav")) as w:
         assert w.getframerate() == 24000 and w.getnframes() == 60 * SAMPLES_PER_TOKEN
     assert r["samples"] == 60 * SAMPLES_PER_TOKEN and r["first_chunk_ms"] > 0
+
+
+async def test_reused_request_id_gets_its_own_audio(models):
+    """The vocoder keeps finished sessions for retries; a new stream under an old client
+    request id must still get its own audio, not the cached audio of the old one."""
+    stack = await start_stack(models)
+    try:
+        async with AsyncClient(stack.target) as client:
+            for seed in (21, 22):
+                voice, tokens = stream_inputs(seed, 20, 50)
+                chunks = await run_stream(client, voice, tokens, seed=seed, request_id="same-id")
+                check_exactly_once(chunks, len(tokens))
+                ref = np.concatenate(reference_synthesis(*models, voice, tokens))
+                assert snr_db(np.concatenate([c.samples for c in chunks]), ref) >= 60
+    finally:
+        await stack.stop()
