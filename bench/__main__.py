@@ -1,0 +1,281 @@
+"""`python -m bench`: the token2wav load generator and benchmark.
+
+  python -m bench sweep --concurrency 1,2,4,8,16,32,64 --utterances-per-stream 2 --pace 0 \\
+      --batching on,off --device cuda --dtype bfloat16 --preset cosyvoice3-0.5b --out-dir DIR
+  python -m bench poisson --rates 1,2,4,8 --duration 30 --device cuda ... --out-dir DIR
+  python -m bench sweep --target HOST:PORT --label mine ...   # drive a gateway you started
+  python -m bench smoke [--out-dir DIR]                         # CPU, small preset, seconds
+  python -m bench report DIR [DIR ...] --out-dir DIR            # one table + plots from sweeps
+
+Without --target it starts its own stacks (flow, vocoder, gateway as subprocesses; one per
+batching mode, side by side) and stops them at the end. Each run writes DIR/<run>.json,
+DIR/results.md is rewritten after every run, and plots (PNG) come at the end when matplotlib
+is installed. docs/BENCHMARKS.md explains every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.plots import plot_all
+from bench.report import environment, load_environments, load_runs, write_results
+from bench.stack import StackConfig, StackError, start_stacks
+from bench.sweep import Sweep, SweepConfig, Target, consistency_problems, plan
+from bench.workload import InvalidConfig, WorkloadConfig
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated integers, got {text!r}") from None
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated numbers, got {text!r}") from None
+
+
+def _labels(text: str) -> tuple[str, ...]:
+    labels = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in labels if x not in ("on", "off")]
+    if bad or len(set(labels)) != len(labels):
+        raise argparse.ArgumentTypeError(f"want on, off or on,off, got {text!r}")
+    return labels
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("stack (ignored with --target)")
+    g.add_argument("--target", default="", help="drive this gateway HOST:PORT, start nothing")
+    g.add_argument("--label", default="external", help="name of the --target runs")
+    g.add_argument("--device", default="cpu", help="torch device of flow and vocoder")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--preset", default="small", help="model preset (small, cosyvoice3-0.5b)")
+    g.add_argument("--model-dir", default="", help="official flow.pt/hift.pt; empty: random")
+    g.add_argument("--batching", type=_labels, default=("on", "off"), help="on, off or on,off")
+    g.add_argument("--startup-timeout", type=float, default=600.0, help="s to get SERVING")
+    for svc in ("flow", "vocoder", "gateway"):
+        g.add_argument(
+            f"--{svc}-arg",
+            action="append",
+            default=[],
+            metavar="FLAG",
+            help=f"extra flag for the {svc} service, repeatable (--{svc}-arg=--max-wait-ms=2)",
+        )
+    w = p.add_argument_group("workload")
+    w.add_argument("--prompt-tokens", type=int, default=75, help="voice prompt (3 s = 75)")
+    w.add_argument("--utterance-tokens", type=int, default=250, help="utterance (10 s = 250)")
+    w.add_argument("--pace", type=float, default=0.0, help="tokens/s per stream; 0: all at once")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--audio-format", default="pcm16", choices=["pcm16", "float32"])
+    w.add_argument("--warmup-streams", type=int, default=4, help="per run, not measured")
+    w.add_argument("--stream-timeout", type=float, default=600.0, help="deadline per stream, s")
+    o = p.add_argument_group("output")
+    o.add_argument("--out-dir", default="out/bench", help="run JSONs, results.md, plots, logs")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
+    o.add_argument(
+        "--time-budget",
+        type=float,
+        default=0.0,
+        help="s; skip runs whose estimate (from the xRT measured so far) would overrun it",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("sweep", help="closed-loop concurrency sweep (and optional extras)")
+    _add_common(s)
+    s.add_argument("--concurrency", type=_ints, default=(1, 2, 4, 8, 16, 32, 64))
+    s.add_argument("--utterances-per-stream", type=int, default=2, help="K per closed-loop worker")
+    s.add_argument(
+        "--max-utterances-per-level", type=int, default=0, help="cap on C x K (K >= 1); 0: none"
+    )
+    s.add_argument(
+        "--off-concurrency", type=_ints, default=None, help="levels for batching off (default all)"
+    )
+    s.add_argument(
+        "--paced-concurrency",
+        type=_ints,
+        default=(),
+        help="extra closed-loop levels with tokens fed at --paced-rate",
+    )
+    s.add_argument("--paced-rate", type=float, default=25.0, help="tokens/s of the paced levels")
+    s.add_argument("--rates", type=_floats, default=(), help="also Poisson runs at these rates")
+    s.add_argument("--duration", type=float, default=30.0, help="Poisson arrival window, s")
+    s.add_argument("--off-rates", type=_floats, default=None)
+    s.add_argument("--run-timeout", type=float, default=600.0, help="closed loop: s per run")
+    s.add_argument("--drain-timeout", type=float, default=120.0, help="open loop: s after arrivals")
+
+    po = sub.add_parser("poisson", help="open-loop Poisson arrivals at stepped rates")
+    _add_common(po)
+    po.add_argument("--rates", type=_floats, default=(1, 2, 4, 8), help="streams/s")
+    po.add_argument("--duration", type=float, default=30.0, help="arrival window per rate, s")
+    po.add_argument("--off-rates", type=_floats, default=None, help="rates for batching off")
+    po.add_argument("--drain-timeout", type=float, default=120.0, help="s after the last arrival")
+
+    sm = sub.add_parser("smoke", help="CPU, small preset, a few seconds: does the harness work")
+    sm.add_argument("--out-dir", default="", help="default: a temporary directory")
+    sm.add_argument("--quiet", action="store_true")
+
+    r = sub.add_parser("report", help="results.md and plots from the run JSONs of sweeps")
+    r.add_argument("dirs", nargs="+", help="sweep output directories")
+    r.add_argument("--out-dir", required=True)
+    return p
+
+
+def _sweep_config(a: argparse.Namespace) -> SweepConfig:
+    common = dict(
+        labels=(a.label,) if a.target else a.batching,
+        rates=a.rates,
+        off_rates=a.off_rates,
+        duration_s=a.duration,
+        warmup_streams=a.warmup_streams,
+        stream_timeout_s=a.stream_timeout,
+        drain_timeout_s=a.drain_timeout,
+        time_budget_s=a.time_budget,
+    )
+    if a.cmd == "poisson":
+        return SweepConfig(concurrency=(), **common)
+    return SweepConfig(
+        concurrency=a.concurrency,
+        off_concurrency=getattr(a, "off_concurrency", None),
+        utterances_per_stream=a.utterances_per_stream,
+        max_utterances_per_level=a.max_utterances_per_level,
+        paced_concurrency=a.paced_concurrency,
+        paced_rate=a.paced_rate,
+        run_timeout_s=a.run_timeout,
+        **common,
+    )
+
+
+def run_benchmark(
+    a: argparse.Namespace, argv: list[str] | None, threads: int = 0
+) -> tuple[list[dict], Path]:
+    cfg = _sweep_config(a)
+    workload = WorkloadConfig(a.prompt_tokens, a.utterance_tokens, a.pace, a.seed, a.audio_format)
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment(argv)
+    specs = plan(cfg, workload.pace)
+    # With --target these describe the external stack only as far as the flags say.
+    meta = {"dtype": a.dtype, "preset": a.preset, "device": a.device}
+    if a.target:
+        targets = {a.label: Target(a.target)}
+        stacks = []
+    else:
+        configs = [
+            StackConfig(
+                device=a.device,
+                dtype=a.dtype,
+                preset=a.preset,
+                batching=label == "on",
+                model_dir=a.model_dir,
+                flow_args=tuple(a.flow_arg),
+                vocoder_args=tuple(a.vocoder_arg),
+                gateway_args=tuple(a.gateway_arg),
+                startup_timeout_s=a.startup_timeout,
+                threads=threads,
+            )
+            for label in cfg.labels
+        ]
+        t = time.monotonic()
+        print(
+            f"starting {len(configs)} stack(s) ({a.device}, {a.dtype}, {a.preset}) ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        stacks = start_stacks(configs, out / "logs")
+        print(f"stacks SERVING after {time.monotonic() - t:.1f} s", file=sys.stderr, flush=True)
+        targets = {s.config.label: Target(s.target, s) for s in stacks}
+    try:
+        runs = Sweep(cfg, workload, targets, out, env, meta, a.quiet).run_all(specs)
+    finally:
+        for s in stacks:
+            s.stop()
+    for path in plot_all(runs, out):
+        print(f"plot {path}", file=sys.stderr)
+    return runs, out
+
+
+def smoke(out_dir: str, quiet: bool = False) -> tuple[list[dict], list[str]]:
+    """Both batching modes at 1 and 2 streams, a paced level and a short Poisson run, on CPU
+    with the small preset and 2.4 s utterances: every code path, a few seconds of compute."""
+    argv = [
+        "sweep",
+        "--device=cpu",
+        "--preset=small",
+        "--concurrency=1,2",
+        "--utterances-per-stream=2",
+        "--max-utterances-per-level=2",
+        "--paced-concurrency=2",
+        "--paced-rate=100",
+        "--rates=3",
+        "--duration=1",
+        "--off-rates=",
+        "--utterance-tokens=60",
+        "--warmup-streams=1",
+        "--startup-timeout=180",
+        "--stream-timeout=120",
+        f"--out-dir={out_dir}",
+        *(["--quiet"] if quiet else []),
+    ]
+    a = build_parser().parse_args(argv)
+    runs, _ = run_benchmark(a, argv, threads=1)
+    problems = [p for run in runs for p in consistency_problems(run)]
+    return runs, problems
+
+
+def _skipped(out_dir: str) -> list[str]:
+    try:
+        return json.loads((Path(out_dir) / "bench.json").read_text()).get("skipped", [])
+    except (OSError, ValueError):
+        return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    # SIGTERM (a job's time limit, `timeout`) unwinds like Ctrl-C, so the stacks we started are
+    # stopped by the `finally` blocks instead of being left running, holding ports and GPU.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        if a.cmd == "report":
+            runs = load_runs(a.dirs)
+            env = environment(argv)
+            env["sweeps"] = load_environments(a.dirs) or [dict(env)]
+            skipped = [s for d in a.dirs for s in _skipped(d)]
+            path = write_results(Path(a.out_dir), env, runs, skipped)
+            plots = plot_all(runs, a.out_dir)
+            print(path.read_text())
+            print(f"{len(runs)} runs; wrote {path} and {len(plots)} plots")
+            return 0 if runs else 1
+        if a.cmd == "smoke":
+            out_dir = a.out_dir or tempfile.mkdtemp(prefix="bench-smoke-")
+            runs, problems = smoke(out_dir, a.quiet)
+            print((Path(out_dir) / "results.md").read_text())
+            for p in problems:
+                print(f"INCONSISTENT: {p}", file=sys.stderr)
+            print(f"smoke: {len(runs)} runs, {len(problems)} problems; output in {out_dir}")
+            return 1 if problems or not runs else 0
+        runs, out = run_benchmark(a, argv)
+        print((out / "results.md").read_text())
+        return 0 if runs else 1
+    except (InvalidConfig, StackError) as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

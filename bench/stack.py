@@ -1,0 +1,183 @@
+"""Start and stop a whole stack (flow, vocoder, gateway) as subprocesses on loopback.
+
+The demo launcher's pattern (gateway/demo.py) with free ports, so that two stacks can run
+side by side: one with batching on, one with it off (`--max-batch-size 1` for the flow and
+`--max-batch-sessions 1` for the vocoder, the same code path). Both stay up for the whole sweep
+and the sweep alternates between them, so the two modes see the same machine state; an idle
+stack costs GPU memory, not compute.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from token2wav.healthcheck import check
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class StackError(RuntimeError):
+    """A service exited or never became healthy; the message carries its log's tail."""
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    preset: str = "small"
+    batching: bool = True
+    model_dir: str = ""  # official flow.pt / hift.pt; empty: seeded random weights of `preset`
+    flow_args: tuple[str, ...] = ()  # extra flags, e.g. ("--max-wait-ms", "2")
+    vocoder_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    startup_timeout_s: float = 600.0  # full-size weights on a cold GPU take a while
+    threads: int = 0  # OMP_NUM_THREADS for the services; 0: inherit
+
+    @property
+    def label(self) -> str:
+        return "on" if self.batching else "off"
+
+
+def free_port() -> int:
+    # The port could be taken between close() and the child's bind; the health wait would
+    # then report the child's "cannot bind" from its log.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """`start()` spawns, `wait_ready()` blocks until all three are SERVING, `stop()` drains."""
+
+    def __init__(self, config: StackConfig, log_dir: str | Path, name: str | None = None):
+        self.config = config
+        self.name = name or f"batching-{config.label}"
+        self.log_dir = Path(log_dir)
+        self.ports = {m: free_port() for m in ("flow_service", "vocoder_service", "gateway")}
+        self.procs: dict[str, subprocess.Popen] = {}  # module -> process
+        self._logs: list = []
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.ports['gateway']}"
+
+    @property
+    def gpu_pids(self) -> list[int]:
+        return [p.pid for m, p in self.procs.items() if m != "gateway"]
+
+    def commands(self) -> dict[str, list[str]]:
+        c = self.config
+        common = ["--host", "127.0.0.1", "--metrics-port", "0", "--grace-period", "5"]
+        model = ["--device", c.device, "--dtype", c.dtype, "--preset", c.preset]
+        if c.model_dir:
+            model += ["--model-dir", c.model_dir]
+        flow = [*model, *([] if c.batching else ["--max-batch-size", "1"]), *c.flow_args]
+        vocoder = [*model, *([] if c.batching else ["--max-batch-sessions", "1"]), *c.vocoder_args]
+        gateway = [
+            "--flow-addr",
+            f"127.0.0.1:{self.ports['flow_service']}",
+            "--vocoder-addr",
+            f"127.0.0.1:{self.ports['vocoder_service']}",
+            *c.gateway_args,
+        ]
+        extra = {"flow_service": flow, "vocoder_service": vocoder, "gateway": gateway}
+        return {
+            m: [sys.executable, "-m", m, "--port", str(port), *common, *extra[m]]
+            for m, port in self.ports.items()
+        }
+
+    def start(self) -> Stack:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        if self.config.threads:
+            env["OMP_NUM_THREADS"] = str(self.config.threads)
+        for module, cmd in self.commands().items():
+            log = open(self.log_path(module), "w")  # noqa: SIM115 - lives as long as the child
+            self._logs.append(log)
+            log.write(" ".join(cmd) + "\n")
+            log.flush()
+            self.procs[module] = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT
+            )
+        return self
+
+    def log_path(self, module: str) -> Path:
+        return self.log_dir / f"{self.name}-{module}.log"
+
+    def _tail(self, module: str, lines: int = 25) -> str:
+        try:
+            text = self.log_path(module).read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        for module, port in self.ports.items():
+            proc = self.procs[module]
+            while not check(f"127.0.0.1:{port}", timeout=1.0):
+                if proc.poll() is not None:
+                    raise StackError(
+                        f"{self.name}: {module} exited with {proc.returncode}; log "
+                        f"{self.log_path(module)}:\n{self._tail(module)}"
+                    )
+                if time.monotonic() > deadline:
+                    raise StackError(
+                        f"{self.name}: {module} not SERVING after "
+                        f"{self.config.startup_timeout_s:.0f} s; log tail:\n{self._tail(module)}"
+                    )
+                time.sleep(0.25)
+
+    def check_alive(self) -> None:
+        """Between runs: a service that died mid-sweep fails the sweep loudly."""
+        for module, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise StackError(
+                    f"{self.name}: {module} died with {proc.returncode}:\n{self._tail(module)}"
+                )
+
+    def stop(self) -> None:
+        # Gateway first, so no new work reaches the model services while they drain.
+        for module in ("gateway", "vocoder_service", "flow_service"):
+            proc = self.procs.get(module)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_stacks(configs: list[StackConfig], log_dir: str | Path) -> list[Stack]:
+    """Start several stacks at once (model loading overlaps), then wait for all; on failure
+    the ones already started are stopped."""
+    stacks = [Stack(c, log_dir) for c in configs]
+    try:
+        for s in stacks:
+            s.start()
+        for s in stacks:
+            s.wait_ready()
+    except BaseException:
+        for s in stacks:
+            s.stop()
+        raise
+    return stacks

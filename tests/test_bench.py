@@ -1,0 +1,268 @@
+"""bench/: the metric arithmetic on hand-made streams, the sweep plan, and the CPU smoke mode
+end to end (two real stacks, small preset, 2.4 s utterances). Never asserts a timing: only
+that the harness works and its figures agree with each other and with the tokens sent."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from bench.gpu import GpuMemorySampler, hardware
+from bench.metrics import StreamRecord, percentiles, simulate_playback, summarize
+from bench.report import batching_ratios, load_runs
+from bench.sweep import SweepConfig, consistency_problems, estimate_s, plan
+from bench.workload import (
+    TOKEN_RATE,
+    InvalidConfig,
+    WorkloadConfig,
+    chunk_needs,
+    make_bench_voice,
+    make_tokens,
+    poisson_arrivals,
+)
+from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner
+from token2wav import SAMPLE_RATE, SAMPLES_PER_TOKEN
+
+
+def make_record(durations_s, arrivals, ready, end_sent=0.0, num_tokens=None) -> StreamRecord:
+    """A finished stream whose chunk k lasts durations_s[k], arrives at arrivals[k] and had
+    its tokens sent at ready[k]."""
+    samples = [round(d * SAMPLE_RATE) for d in durations_s]
+    n_tok = num_tokens or sum(samples) // SAMPLES_PER_TOKEN
+    rec = StreamRecord("s", n_tok, needs=[k + 1 for k in range(len(arrivals))])
+    rec.token_sent = list(ready)
+    rec.end_sent = end_sent
+    rec.seqs = list(range(len(arrivals)))
+    rec.offsets = list(np.cumsum([0, *samples[:-1]]))
+    rec.num_samples = samples
+    rec.arrivals = list(arrivals)
+    rec.timings = [(1.0, 2.0, 1, 3.0, 4.0, 1, 20.0)] * len(arrivals)
+    rec.final_seen = True
+    return rec
+
+
+# -- metric arithmetic ------------------------------------------------------------------------
+def test_playback_without_stall():
+    # each chunk arrives while the one before it still plays
+    rec = make_record([1.0, 2.0, 4.0], arrivals=[0.5, 1.0, 2.5], ready=[0.0, 0.1, 0.2])
+    pb = simulate_playback(rec)
+    assert pb.underruns == 0 and pb.stall_s == 0.0 and pb.buffer_s == 0.0
+
+
+def test_playback_stall_split_between_input_and_stack():
+    # chunk 0 plays 0.5..1.5; chunk 1 (tokens in at 2.0) arrives at 2.25: 0.75 s of silence.
+    # Chunk 1 then plays 2.25..4.25 and chunk 2 arrives at 4.0, in time.
+    late_input = make_record([1.0, 2.0, 1.0], arrivals=[0.5, 2.25, 4.0], ready=[0.0, 2.0, 3.0])
+    pb = simulate_playback(late_input)
+    assert pb.underruns == 1 and pb.stall_s == pytest.approx(0.75)
+    # Starting 0.75 s after chunk 0 would have avoided it; but chunk 1's tokens came 2 s after
+    # chunk 0's, for 1 s of audio: even an instant stack needs 1 s. The stack added nothing.
+    assert pb.buffer_s == pytest.approx(0.75)
+    assert pb.input_buffer_s == pytest.approx(1.0)
+    assert pb.excess_buffer_s == 0.0
+    # the same arrivals with every token in at the start: the whole stall is the stack's
+    early = simulate_playback(
+        make_record([1.0, 2.0, 1.0], arrivals=[0.5, 2.25, 4.0], ready=[0.0, 0.1, 0.2])
+    )
+    assert early.stall_s == pytest.approx(0.75) and early.input_buffer_s == 0.0
+    assert early.excess_buffer_s == pytest.approx(0.75)
+    # late input and a slow chunk 1 (1.5 s after its tokens, chunk 0 took 0.5 s): 1 s extra
+    slow = simulate_playback(
+        make_record([1.0, 2.0, 1.0], arrivals=[0.5, 3.5, 4.0], ready=[0.0, 2.0, 3.0])
+    )
+    assert slow.excess_buffer_s == pytest.approx(1.0)
+
+
+def test_summary_figures_agree():
+    recs = [
+        make_record([1.0, 2.0, 7.0], [0.3 + i, 1.0 + i, 2.8 + i], [i, i + 0.1, i + 0.2])
+        for i in range(5)
+    ]
+    for i, r in enumerate(recs):
+        r.stream_id = f"s{i}"
+        r.opened = float(i)
+        r.end_sent = i + 0.2
+    bad = make_record([1.0], [0.5], [0.0])
+    bad.status = "RESOURCE_EXHAUSTED"
+    broken = make_record([1.0, 1.0], [0.5, 0.9], [0.0, 0.0])
+    broken.offsets[1] += 1  # a gap in the samples: a clean status cannot hide it
+    m = summarize([*recs, bad, broken], window_s=8.0)
+    assert m["num_ok"] == 5
+    assert m["errors"] == {"RESOURCE_EXHAUSTED": 1, "INCONSISTENT": 1}
+    assert m["audio_s"] == pytest.approx(5 * 10.0)
+    assert m["xrt"] == pytest.approx(m["audio_s"] / 8.0)
+    fc = m["first_chunk_ms"]
+    assert fc["n"] == 5 and fc["p50"] == pytest.approx(300.0)
+    assert m["inter_chunk_gap_ms"]["n"] == 10
+    # stage attribution: gateway = gateway_ms minus the four service stages
+    assert m["stages"]["gateway_ms"] == pytest.approx(20.0 - (1 + 2 + 3 + 4))
+
+
+def test_percentiles_are_ordered_and_match_numpy():
+    values = np.random.default_rng(1).exponential(100.0, 500)
+    p = percentiles(values)
+    assert p["p50"] <= p["p95"] <= p["p99"] <= p["max"]
+    assert p["p95"] == pytest.approx(np.percentile(values, 95))
+    assert percentiles([]) is None
+
+
+def test_chunk_needs_replays_the_gateway_schedule():
+    for n_p, n_tok in ((75, 250), (60, 60), (75, 10), (80, 1000)):
+        needs = chunk_needs(n_p, n_tok)
+        assert needs[-1] is None  # the final chunk waits for the end of input
+        streaming = needs[:-1]
+        assert streaming == sorted(streaming) and all(n <= n_tok for n in streaming)
+        if streaming:
+            assert streaming[0] == ChunkPlanner(n_p).first_hop + LOOKAHEAD_TOKENS
+
+
+def test_workload_is_seeded_and_validated():
+    assert np.array_equal(make_tokens(0, 3, 250), make_tokens(0, 3, 250))
+    assert not np.array_equal(make_tokens(0, 3, 250), make_tokens(0, 3, 250, warmup=True))
+    v = make_bench_voice(0, 1, 75)
+    assert v.num_prompt_tokens == 75 and v.prompt_feat.shape == (150, 80)
+    tokens = make_tokens(0, 0, 5000)
+    assert tokens.min() >= 0 and tokens.max() <= 6560
+    with pytest.raises(InvalidConfig) as err:
+        WorkloadConfig(pace=-1)
+    assert err.value.field == "pace"
+    arrivals = poisson_arrivals(0, 4.0, 100.0)
+    assert np.all(np.diff(arrivals) > 0) and arrivals[-1] < 100.0
+    assert 300 < arrivals.size < 500  # 400 expected; a Poisson count within ~5 sigma
+
+
+def test_plan_alternates_and_restricts_batching_off():
+    cfg = SweepConfig(
+        concurrency=(1, 16, 64),
+        off_concurrency=(1, 64),
+        utterances_per_stream=2,
+        max_utterances_per_level=64,
+    )
+    specs = plan(cfg, pace=0.0)
+    assert [(s.level, s.label) for s in specs] == [
+        (1, "on"),
+        (1, "off"),
+        (16, "on"),  # off is not measured at 16
+        (64, "on"),
+        (64, "off"),
+    ]
+    assert [s.utterances_per_stream for s in specs] == [2, 2, 2, 1, 1]
+    two = plan(SweepConfig(concurrency=(1, 2)), pace=0.0)
+    assert [s.label for s in two] == ["on", "off", "off", "on"]  # ABBA
+    with pytest.raises(InvalidConfig) as err:
+        SweepConfig(concurrency=(0,))
+    assert err.value.field == "concurrency"
+
+
+def test_time_budget_estimates():
+    wl = WorkloadConfig()  # 10 s utterances
+    cfg = SweepConfig(warmup_streams=4)
+
+    def run(label, c, xrt):
+        return {
+            "label": label,
+            "kind": "closed",
+            "concurrency": c,
+            "workload": {"pace": 0.0},
+            "metrics": {"xrt": xrt},
+        }
+
+    spec = plan(SweepConfig(concurrency=(64,), utterances_per_stream=1), 0.0)[1]  # off, 64
+    assert estimate_s(spec, wl, cfg, []) is None  # nothing to go by: it just runs
+    flat = [run("off", 1, 5.0), run("off", 16, 5.0), run("on", 16, 50.0)]
+    assert estimate_s(spec, wl, cfg, flat) == pytest.approx(1.1 * (64 + 4) * 10.0 / 5.0)
+    on4 = plan(SweepConfig(concurrency=(4,), utterances_per_stream=2), 0.0)[0]
+    # one level measured with batching on: assumed to scale linearly (10 -> 40 xRT)
+    assert estimate_s(on4, wl, cfg, [run("on", 1, 10.0)]) == pytest.approx(
+        1.1 * (8 + 4) * 10.0 / 40.0
+    )
+    paced = plan(SweepConfig(concurrency=(), paced_concurrency=(4,)), 0.0)[0]
+    assert estimate_s(paced, wl, cfg, []) == pytest.approx(2 * 250 / 25.0)  # the input's pace
+
+
+def test_gpu_memory_from_nvidia_smi(tmp_path, monkeypatch):
+    # a stand-in nvidia-smi: two GPUs, two processes of which one is "ours"
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        '  --query-gpu=memory.used) printf "1000\\n250\\n" ;;\n'
+        '  --query-compute-apps=*) printf "4242, 700\\n999, 300\\n" ;;\n'
+        '  --query-gpu=name*) printf "NVIDIA H200, 143771, 580.1\\n" ;;\n'
+        "esac\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    sampler = GpuMemorySampler(interval_s=0.05)
+    assert sampler.available
+    t0 = time.perf_counter()
+    sampler.sample()
+    peak = sampler.peak(t0, time.perf_counter(), pids=[4242])
+    assert peak == {"device_mib": 1250, "stack_mib": 700}
+    assert sampler.peak(t0, time.perf_counter(), pids=[1])["stack_mib"] is None
+    assert hardware()["gpus"][0]["name"] == "NVIDIA H200"
+
+
+# -- the smoke mode, end to end ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory):
+    from bench.__main__ import smoke
+
+    out = tmp_path_factory.mktemp("bench")
+    runs, problems = smoke(str(out), quiet=True)
+    return out, runs, problems
+
+
+def test_smoke_runs_every_mode_without_errors(smoke_runs):
+    out, runs, problems = smoke_runs
+    assert problems == []
+    kinds = {(r["kind"], r["label"], r["workload"]["pace"] > 0) for r in runs}
+    assert ("closed", "on", False) in kinds and ("closed", "off", False) in kinds
+    assert ("closed", "on", True) in kinds and ("open", "on", False) in kinds
+    on_disk = load_runs([out])
+    assert len(on_disk) == len(runs)
+    for run in on_disk:
+        m = run["metrics"]
+        assert m["errors"] == {} and m["num_ok"] == m["num_streams"] > 0
+        assert m["completion_rate"] == 1.0 and run["warmup"]["errors"] == {}
+        for key in ("first_chunk_ms", "inter_chunk_gap_ms", "e2e_ms", "chunk_latency_ms"):
+            p = m[key]
+            assert p["p50"] <= p["p95"] <= p["p99"] <= p["max"]
+        assert set(m["stages"]) >= {"flow_queue_ms", "flow_compute_ms", "vocoder_compute_ms"}
+        assert m["underruns"]["streams"] <= m["num_ok"]
+        assert run["gpu_memory"] is None or run["gpu_memory"]["device_mib"] > 0
+
+
+def test_smoke_audio_matches_tokens_sent(smoke_runs):
+    _, runs, _ = smoke_runs
+    for run in runs:
+        n_tok = run["workload"]["utterance_tokens"]
+        expected_chunks = len(chunk_needs(run["workload"]["prompt_tokens"], n_tok))
+        for s in run["streams"]:
+            assert s["tokens"] == n_tok
+            assert s["audio_s"] == pytest.approx(n_tok / TOKEN_RATE, abs=1e-9)
+            assert sum(s["chunk_samples"]) == SAMPLES_PER_TOKEN * n_tok
+            assert s["chunks"] == expected_chunks == len(s["chunk_arrivals_ms"])
+            assert s["first_chunk_ms"] > 0
+            assert s["e2e_ms"] == pytest.approx(s["chunk_arrivals_ms"][-1], abs=1e-3)  # rounded
+        m = run["metrics"]
+        assert m["audio_s"] == pytest.approx(len(run["streams"]) * n_tok / TOKEN_RATE)
+        assert m["xrt"] * m["window_s"] == pytest.approx(m["audio_s"])
+        assert consistency_problems(run) == []
+
+
+def test_smoke_writes_results_and_ratios(smoke_runs):
+    out, runs, _ = smoke_runs
+    text = (out / "results.md").read_text()
+    assert text.count("| float32 |") >= len(runs)  # one row per run (and stage rows)
+    ratios = batching_ratios(runs)
+    assert {(x["level"], x["pace"]) for x in ratios} >= {("1", 0.0), ("2", 0.0)}
+    for x in ratios:
+        assert x["xrt"] > 0 and x["first_chunk_p50"] > 0
+    everything = json.loads((out / "bench.json").read_text())
+    assert len(everything["runs"]) == len(runs)
+    assert everything["environment"]["command"].startswith("python -m bench sweep")
