@@ -362,3 +362,26 @@ def test_group_by_length():
     assert [8] in groups  # the 1000-frame request pads nobody
     capped = group_by_length(lengths, max_batch=8, max_padding=0.9, max_batch_frames=700)
     assert all(len(g) * max(lengths[i] for i in g) <= 700 for g in capped if len(g) > 1)
+
+
+@pytest.mark.gpu
+def test_fp32_conv_position_embedding_on_cuda_avoids_the_cudnn_workspace_trap():
+    """A first chunk (~200 frames) in fp32 once made cuDNN take a 17 GB workspace and 100x the
+    time; the conv now runs short inputs padded on the right. The valid frames are the plain
+    causal conv's (compared with the CPU), and the call stays small."""
+    from flow_service.model.dit import MIN_FP32_CONV_FRAMES, CausalConvPositionEmbedding
+
+    torch.manual_seed(0)
+    cpe = CausalConvPositionEmbedding(1024, 31, 16).eval()
+    x = torch.randn(2, 150, 1024)
+    assert x.shape[1] < MIN_FP32_CONV_FRAMES
+    with torch.no_grad():
+        want = cpe(x)
+        gpu = cpe.cuda()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        got = gpu(x.cuda()).cpu()
+        extra_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()  # cuDNN may use TF32 for convs
+    assert extra_mib < 512, f"conv took {extra_mib:.0f} MiB"

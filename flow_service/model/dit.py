@@ -82,6 +82,9 @@ class TimestepEmbedding(nn.Module):
         return self.time_mlp(feats.to(self.time_mlp[0].weight.dtype))
 
 
+MIN_FP32_CONV_FRAMES = 256
+
+
 class CausalConvPositionEmbedding(nn.Module):
     """Two grouped convs (k=31), each after a left zero-pad of k-1 and followed by Mish.
 
@@ -94,10 +97,17 @@ class CausalConvPositionEmbedding(nn.Module):
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel, groups=groups), nn.Mish())
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        num_frames = h.shape[1]
         y = h.transpose(1, 2)  # (r, d, t)
-        y = self.conv1(F.pad(y, (self.kernel - 1, 0)))
+        # cuDNN's heuristic picks, for this fp32 grouped conv at t <= ~210 frames (a first chunk),
+        # an algorithm with a 17 GB workspace that runs 100x slower (98 vs 0.9 ms per call on an
+        # H200, cuDNN 9). The conv is causal, so zero frames on the right leave every output
+        # frame before them unchanged: run short inputs at MIN_FP32_CONV_FRAMES and cut back.
+        floor = MIN_FP32_CONV_FRAMES if h.is_cuda and h.dtype == torch.float32 else 0
+        extra = max(0, floor - num_frames)
+        y = self.conv1(F.pad(y, (self.kernel - 1, extra)))
         y = self.conv2(F.pad(y, (self.kernel - 1, 0)))
-        return y.transpose(1, 2)  # (r, t, d)
+        return y[..., :num_frames].transpose(1, 2)  # (r, t, d)
 
 
 class InputEmbedding(nn.Module):
