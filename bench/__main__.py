@@ -62,6 +62,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-dir", default="", help="official flow.pt/hift.pt; empty: random")
     g.add_argument("--batching", type=_labels, default=("on", "off"), help="on, off or on,off")
     g.add_argument("--startup-timeout", type=float, default=600.0, help="s to get SERVING")
+    g.add_argument("--flow-replicas", type=int, default=1, help="flow processes behind the gateway")
+    g.add_argument("--vocoder-replicas", type=int, default=1, help="vocoder processes")
     for svc in ("flow", "vocoder", "gateway"):
         g.add_argument(
             f"--{svc}-arg",
@@ -172,6 +174,8 @@ def run_benchmark(
     specs = plan(cfg, workload.pace)
     # With --target these describe the external stack only as far as the flags say.
     meta = {"dtype": a.dtype, "preset": a.preset, "device": a.device}
+    if not a.target:
+        meta.update(flow_replicas=a.flow_replicas, vocoder_replicas=a.vocoder_replicas)
     if a.target:
         targets = {a.label: Target(a.target)}
         stacks = []
@@ -188,6 +192,8 @@ def run_benchmark(
                 gateway_args=tuple(a.gateway_arg),
                 startup_timeout_s=a.startup_timeout,
                 threads=threads,
+                flow_replicas=a.flow_replicas,
+                vocoder_replicas=a.vocoder_replicas,
             )
             for label in cfg.labels
         ]

@@ -39,6 +39,10 @@ class StackConfig:
     gateway_args: tuple[str, ...] = ()
     startup_timeout_s: float = 600.0  # full-size weights on a cold GPU take a while
     threads: int = 0  # OMP_NUM_THREADS for the services; 0: inherit
+    # Replicas behind the one gateway (all on `device`): the gateway spreads flow calls round
+    # robin and pins each stream's vocoder session by rendezvous hashing, as in production.
+    flow_replicas: int = 1
+    vocoder_replicas: int = 1
 
     @property
     def label(self) -> str:
@@ -60,8 +64,17 @@ class Stack:
         self.config = config
         self.name = name or f"batching-{config.label}"
         self.log_dir = Path(log_dir)
-        self.ports = {m: free_port() for m in ("flow_service", "vocoder_service", "gateway")}
-        self.procs: dict[str, subprocess.Popen] = {}  # module -> process
+        # process name -> port; names are the module, plus ".N" for replicas after the first
+        self.ports = {
+            name: free_port()
+            for module, n in (
+                ("flow_service", config.flow_replicas),
+                ("vocoder_service", config.vocoder_replicas),
+                ("gateway", 1),
+            )
+            for name in [module] + [f"{module}.{i}" for i in range(1, n)]
+        }
+        self.procs: dict[str, subprocess.Popen] = {}  # process name -> process
         self._logs: list = []
 
     @property
@@ -82,16 +95,20 @@ class Stack:
         vocoder = [*model, *([] if c.batching else ["--max-batch-sessions", "1"]), *c.vocoder_args]
         gateway = [
             "--flow-addr",
-            f"127.0.0.1:{self.ports['flow_service']}",
+            self._addrs("flow_service"),
             "--vocoder-addr",
-            f"127.0.0.1:{self.ports['vocoder_service']}",
+            self._addrs("vocoder_service"),
             *c.gateway_args,
         ]
         extra = {"flow_service": flow, "vocoder_service": vocoder, "gateway": gateway}
         return {
-            m: [sys.executable, "-m", m, "--port", str(port), *common, *extra[m]]
-            for m, port in self.ports.items()
+            name: [sys.executable, "-m", _module(name), "--port", str(port), *common]
+            + extra[_module(name)]
+            for name, port in self.ports.items()
         }
+
+    def _addrs(self, module: str) -> str:
+        return ",".join(f"127.0.0.1:{p}" for n, p in self.ports.items() if _module(n) == module)
 
     def start(self) -> Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -146,9 +163,10 @@ class Stack:
 
     def stop(self) -> None:
         # Gateway first, so no new work reaches the model services while they drain.
-        for module in ("gateway", "vocoder_service", "flow_service"):
-            proc = self.procs.get(module)
-            if proc is not None and proc.poll() is None:
+        order = {"gateway": 0, "vocoder_service": 1, "flow_service": 2}
+        for name in sorted(self.procs, key=lambda n: order[_module(n)]):
+            proc = self.procs[name]
+            if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         for proc in self.procs.values():
             try:
@@ -165,6 +183,10 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _module(name: str) -> str:
+    return name.split(".", 1)[0]
 
 
 def start_stacks(configs: list[StackConfig], log_dir: str | Path) -> list[Stack]:

@@ -266,3 +266,40 @@ def test_smoke_writes_results_and_ratios(smoke_runs):
     everything = json.loads((out / "bench.json").read_text())
     assert len(everything["runs"]) == len(runs)
     assert everything["environment"]["command"].startswith("python -m bench sweep")
+
+
+def test_replicated_stack_spreads_flow_calls_over_every_replica(tmp_path):
+    """--flow-replicas/--vocoder-replicas: one gateway over several processes of each service
+    (the one-GPU stand-in for the multi-GPU scaling run). Every flow replica computes batches
+    and every stream still gets all of its audio."""
+    from bench.__main__ import build_parser, run_benchmark
+
+    argv = [
+        "sweep",
+        "--device=cpu",
+        "--preset=small",
+        "--batching=on",
+        "--concurrency=4",
+        "--utterances-per-stream=1",
+        "--utterance-tokens=60",
+        "--warmup-streams=0",
+        "--flow-replicas=2",
+        "--vocoder-replicas=2",
+        "--flow-arg=--log-batches=true",
+        "--startup-timeout=180",
+        f"--out-dir={tmp_path}",
+        "--quiet",
+    ]
+    runs, _ = run_benchmark(build_parser().parse_args(argv), argv, threads=1)
+    (run,) = runs
+    assert run["flow_replicas"] == 2 and run["vocoder_replicas"] == 2
+    assert run["metrics"]["errors"] == {} and run["metrics"]["num_ok"] == 4
+    assert consistency_problems(run) == []
+    logs = sorted((tmp_path / "logs").glob("batching-on-flow_service*.log"))
+    assert len(logs) == 2
+    for log in logs:
+        assert " reqs, T " in log.read_text(), f"{log.name} computed no batch"
+    gateway_cmd = (tmp_path / "logs" / "batching-on-gateway.log").read_text().splitlines()[0]
+    flow_addrs = gateway_cmd.split("--flow-addr ")[1].split()[0].split(",")
+    vocoder_addrs = gateway_cmd.split("--vocoder-addr ")[1].split()[0].split(",")
+    assert len(flow_addrs) == len(vocoder_addrs) == 2
