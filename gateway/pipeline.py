@@ -26,7 +26,7 @@ from gateway.downstream import FlowClient, FlowOutput, downstream_error
 from gateway.routing import ReplicaSet
 from gateway.schedule import Chunk, ChunkPlanner, ScheduleConfig
 from token2wav import MAX_FRAMES, SAMPLE_RATE, SAMPLES_PER_TOKEN, TOKEN_MEL_RATIO, VOCAB_SIZE
-from token2wav.errors import InvalidArgument
+from token2wav.errors import Aborted, InvalidArgument
 from token2wav.tensors import VoiceData, decode, encode
 from token2wav.v1 import common_pb2, gateway_pb2, vocoder_pb2, vocoder_pb2_grpc
 
@@ -240,6 +240,12 @@ class StreamPipeline:
                 if audio.is_final:
                     break
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                # The replica lost the session mid-stream (restarted, or evicted it): the audio
+                # state is gone, so this stream cannot go on; the client may retry the request.
+                raise Aborted(
+                    f"vocoder {self._vocoder_addr} lost this stream's session: {exc.details()}"
+                ) from exc
             raise downstream_error(exc, f"vocoder {self._vocoder_addr}") from exc
         total = SAMPLES_PER_TOKEN * self.num_tokens
         if expected_offset != total:

@@ -247,6 +247,35 @@ async def test_client_cancel_drops_session_and_flow_calls(models):
         await stack.stop()
 
 
+async def test_vocoder_session_lost_mid_stream_is_aborted(models):
+    """A vocoder replica that loses a stream's session (restart, eviction) answers NOT_FOUND
+    for the next seq; the stream cannot go on without that state, and the client is told
+    ABORTED (retry the request), not INTERNAL."""
+
+    def delay(request):
+        return 0.0 if request.token_offset == 0 else 0.5
+
+    stack = await start_stack(models, flow_delay=delay)
+    try:
+        voice, tokens = stream_inputs(7, 25, 200)
+        async with AsyncClient(stack.target) as client:
+            stream = client.stream(voice, audio_format="float32", request_id="lost")
+            await stream.send(tokens)
+            await stream.end()
+            chunks = stream.__aiter__()
+            assert (await chunks.__anext__()).seq == 0
+            manager = stack.vocoder_server.service.manager
+            (key,) = [k for k in manager._active if k.startswith("lost:")]
+            assert manager.cancel(key)  # what a restarted replica would have lost
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in chunks:
+                    pass
+        assert info.value.code() == grpc.StatusCode.ABORTED
+        assert "lost this stream's session" in info.value.details()
+    finally:
+        await stack.stop()
+
+
 async def _call(target, messages, timeout=20):
     """Status of a stream that sends `messages` and half-closes. The sync client on purpose:
     grpc.aio's client can report "Internal error from Core" instead of the server's status when

@@ -20,11 +20,17 @@ def test_upstream_schedule_for_a_3s_prompt():
     assert p.first_hop == 25  # 75 + 25 = 100 tokens: whole blocks, no pad
     assert drain(p, 27, False) == []  # 25 + 3 lookahead not there yet
     chunks = drain(p, 300, False)
-    assert [(c.num_tokens, c.token_offset) for c in chunks] == [(28, 0), (78, 25), (178, 75), (278, 175)]
+    assert [(c.num_tokens, c.token_offset) for c in chunks] == [
+        (28, 0),
+        (78, 25),
+        (178, 75),
+        (278, 175),
+    ]
     assert all(c.streaming and not c.finalize for c in chunks)
     final = drain(p, 300, True)
     assert [(c.num_tokens, c.token_offset, c.finalize, c.streaming) for c in final] == [
-        (300, 275, True, False)]
+        (300, 275, True, False)
+    ]
     assert [c.seq for c in chunks + final] == [0, 1, 2, 3, 4]
     assert sum(c.num_emit_tokens for c in chunks + final) == 300
     assert p.next_chunk(400, True) is None  # done
@@ -55,7 +61,9 @@ def test_short_stream_is_one_final_call_and_empty_stream_is_none():
 
 
 def test_overrides_and_their_validation():
-    cfg = ScheduleConfig.from_proto(gateway_pb2.ChunkSchedule(first_hop_tokens=10, disable_prompt_pad=True))
+    cfg = ScheduleConfig.from_proto(
+        gateway_pb2.ChunkSchedule(first_hop_tokens=10, disable_prompt_pad=True)
+    )
     assert cfg.first_hop_tokens == 10 and not cfg.prompt_pad and not cfg.is_exact()
     assert ScheduleConfig().is_exact()
     p = ChunkPlanner(75, cfg)

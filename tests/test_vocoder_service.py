@@ -275,6 +275,34 @@ async def test_idle_session_is_evicted_and_unknown_ids_are_not_found(serve):
     await c.fails([chunk("never-opened", 3, m10)], Code.NOT_FOUND)
 
 
+async def test_open_stream_keeps_its_session_past_the_idle_timeout(serve, model):
+    """A caller whose stream stays open is waiting on upstream work (a busy flow service),
+    not gone: its session is not evicted; once the stream ends, the idle clock runs."""
+    c = await serve(idle_timeout_s=0.3, sweep_interval_s=0.05)
+    mel = make_mel(18, 40)
+    msgs = chunks_of("slow", split(mel, [20, 20]))
+    call = c.stub.Session(timeout=30)
+    await call.write(msgs[0])
+    first = await call.read()
+    await asyncio.sleep(0.7)  # > 2 idle timeouts with the stream open
+    assert c.manager.stats()["num_active"] == 1
+    await call.write(msgs[1])
+    last = await call.read()
+    assert last.is_final
+    assert np.abs(stitch([first, last]) - reference(model, mel)).max() <= 1e-3
+    await call.done_writing()
+    # a second session whose stream ends without finalize: evicted one timeout later
+    call = c.stub.Session(timeout=30)
+    await call.write(chunk("left", 0, make_mel(19, 10)))
+    await call.read()
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF
+    await asyncio.sleep(0.1)
+    assert c.manager.stats()["num_active"] == 1
+    await asyncio.sleep(0.6)
+    assert c.manager.stats()["num_active"] == 0
+
+
 async def test_resume_after_the_transport_stream_is_cut(serve, model):
     c = await serve()
     mel = make_mel(16, 120)

@@ -15,7 +15,10 @@ Rules (the contract in protos/token2wav/v1/vocoder.proto, made precise):
     session itself goes on (its state is intact, and the first payload stands).
   * finalize: the answer carries is_final and the session closes; it stays as a tombstone for
     `idle_timeout_s`, answering retries of its last chunks, and ABORTED for any seq after the end.
-  * No chunk for `idle_timeout_s` (and none waiting or running): evicted; NOT_FOUND after.
+  * No chunk for `idle_timeout_s` (and none waiting or running), and no open transport stream
+    that has sent chunks for it: evicted; NOT_FOUND after. A caller that keeps its stream open
+    is waiting for work upstream (a busy flow service), not gone; idle time counts from the
+    stream's end.
   * The transport stream is not the session: breaking it drops nothing here.
 """
 
@@ -81,6 +84,7 @@ class SessionManager:
         self._closed: OrderedDict[str, Session] = OrderedDict()  # request_id -> tombstone
         self._ready: OrderedDict[str, Session] = OrderedDict()  # request_id -> runnable, FIFO
         self._ready_event = asyncio.Event()
+        self._streams: dict[str, int] = {}  # request_id -> open transport streams that used it
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -131,6 +135,21 @@ class SessionManager:
         s.last_active = now
         self._refresh(s, now)
         return chunk.future
+
+    def attach(self, request_id: str) -> None:
+        """A transport stream has sent chunks for `request_id` and is still open."""
+        self._streams[request_id] = self._streams.get(request_id, 0) + 1
+
+    def detach(self, request_id: str) -> None:
+        """That stream ended (or broke): the idle timeout starts now."""
+        left = self._streams.get(request_id, 0) - 1
+        if left > 0:
+            self._streams[request_id] = left
+            return
+        self._streams.pop(request_id, None)
+        s = self._active.get(request_id)
+        if s is not None:
+            s.last_active = max(s.last_active, self.clock())
 
     def _duplicate(self, s: Session, chunk: Chunk) -> asyncio.Future:
         entry = s.applied.get(chunk.seq)
@@ -370,7 +389,11 @@ class SessionManager:
                         f"{min(s.pending)} waited; session {s.request_id!r} failed"
                     ),
                 )
-            elif not s.pending and now - s.last_active > cfg.idle_timeout_s:
+            elif (
+                not s.pending
+                and s.request_id not in self._streams
+                and now - s.last_active > cfg.idle_timeout_s
+            ):
                 self._close(
                     s,
                     SessionStatus.EVICTED,

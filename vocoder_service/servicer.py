@@ -78,12 +78,17 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         done: asyncio.Queue = asyncio.Queue()  # finished futures, reader errors, _END
         waiting: dict[asyncio.Future, int] = {}  # future -> answers owed (duplicates share one)
 
+        attached: set[str] = set()  # request ids this stream keeps from idle eviction
+
         async def read() -> None:
             try:
                 async for msg in request_iterator:
                     chunk = chunk_from_proto(msg, self.manager.config, self.max_seq)
                     request_id_var.set(chunk.request_id)
                     fut = self.manager.submit(chunk)
+                    if chunk.request_id not in attached:
+                        attached.add(chunk.request_id)
+                        self.manager.attach(chunk.request_id)
                     waiting[fut] = waiting.get(fut, 0) + 1
                     fut.add_done_callback(done.put_nowait)
             except Exception as exc:  # noqa: BLE001 - handed to the writer, which raises it
@@ -114,6 +119,8 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             reader.cancel()
             for fut in waiting:
                 fut.remove_done_callback(done.put_nowait)
+            for rid in attached:
+                self.manager.detach(rid)
 
     async def CancelSession(self, request, context):
         request_id = check_request_id(request.request_id)
