@@ -385,3 +385,17 @@ def test_fp32_conv_position_embedding_on_cuda_avoids_the_cudnn_workspace_trap():
     assert got.shape == want.shape
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()  # cuDNN may use TF32 for convs
     assert extra_mib < 512, f"conv took {extra_mib:.0f} MiB"
+
+
+def test_residual_stream_is_contiguous(model):
+    """The transformer's residual stream stays in (r, t, d) memory order from the input
+    embedding on; a channel-first stream made every layer_norm copy and every elementwise
+    kernel stride (found in a bf16 B=64 profile)."""
+    est = model.decoder.estimator
+    r, t, c = 3, 40, 80
+    g = torch.Generator().manual_seed(0)
+    x, cond, mu = (torch.randn(r, t, c, generator=g) for _ in range(3))
+    spks = torch.randn(r, c, generator=g)
+    with torch.no_grad():
+        h = est.input_embed(x, cond, mu, spks)
+    assert h.shape == (r, t, est.cfg.dim) and h.is_contiguous()
