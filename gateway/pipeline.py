@@ -31,6 +31,7 @@ from token2wav.tensors import VoiceData, decode, encode
 from token2wav.v1 import common_pb2, gateway_pb2, vocoder_pb2, vocoder_pb2_grpc
 
 logger = logging.getLogger(__name__)
+_CORE_WRITE_ERROR = "Internal error from Core"  # grpc.aio: a write failed on a finished call
 
 
 @dataclass(frozen=True)
@@ -245,6 +246,13 @@ class StreamPipeline:
                 # state is gone, so this stream cannot go on; the client may retry the request.
                 raise Aborted(
                     f"vocoder {self._vocoder_addr} lost this stream's session: {exc.details()}"
+                ) from exc
+            if exc.code() == grpc.StatusCode.INTERNAL and exc.details() == _CORE_WRITE_ERROR:
+                # grpc.aio replaces the server's status with this when the server ends the call
+                # while one of our writes is in flight: the vocoder ended the session's stream
+                # early (any reason), not a fault of ours, and the stream cannot go on.
+                raise Aborted(
+                    f"vocoder {self._vocoder_addr} ended this stream's session call early"
                 ) from exc
             raise downstream_error(exc, f"vocoder {self._vocoder_addr}") from exc
         total = SAMPLES_PER_TOKEN * self.num_tokens

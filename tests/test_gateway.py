@@ -271,7 +271,11 @@ async def test_vocoder_session_lost_mid_stream_is_aborted(models):
                 async for _ in chunks:
                     pass
         assert info.value.code() == grpc.StatusCode.ABORTED
-        assert "lost this stream's session" in info.value.details()
+        # the second form when grpc.aio's client hid the vocoder's NOT_FOUND behind a failed write
+        assert any(
+            text in info.value.details()
+            for text in ("lost this stream's session", "ended this stream's session call early")
+        )
     finally:
         await stack.stop()
 
