@@ -21,17 +21,20 @@ from bench.stack import REPO_ROOT
 SCHEMA = "token2wav-bench/1"
 
 
-def environment(argv: list[str] | None = None) -> dict:
-    """Hardware, versions, date and the exact command, for the report header."""
+def _git(*args: str) -> str:
     try:
-        commit = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
+        return subprocess.run(
+            ["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=5
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        commit = ""
+        return ""
+
+
+def environment(argv: list[str] | None = None) -> dict:
+    """Hardware, versions, date and the exact command, for the report header."""
+    commit = _git("rev-parse", "--short", "HEAD")
+    if commit and _git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"  # the numbers belong to uncommitted code, not to that commit
     argv = sys.argv[1:] if argv is None else argv
     return {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
