@@ -303,3 +303,31 @@ def test_replicated_stack_spreads_flow_calls_over_every_replica(tmp_path):
     flow_addrs = gateway_cmd.split("--flow-addr ")[1].split()[0].split(",")
     vocoder_addrs = gateway_cmd.split("--vocoder-addr ")[1].split()[0].split(",")
     assert len(flow_addrs) == len(vocoder_addrs) == 2
+
+
+def test_flow_service_bench_smoke(tmp_path):
+    """bench/flow_service_bench.py --smoke: both modes run every level, and the figures agree
+    with the work sent (calls from the schedule, mel frames from the tokens)."""
+    from bench.flow_service_bench import main, plan_calls, seq_frames
+
+    result = main(["--smoke", "--out", str(tmp_path)])
+    cfg = result["config"]
+    chunks = plan_calls(cfg["prompt_tokens"], cfg["utterance_tokens"])
+    assert chunks[-1].finalize and not chunks[0].finalize
+    frames_per_utt = sum(seq_frames(cfg["prompt_tokens"], c) for c in chunks)
+    rows = result["rows"]
+    assert {(r["batching"], r["streams"]) for r in rows} == {
+        (b, n) for b in ("on", "off") for n in cfg["concurrency"]
+    }
+    for r in rows:
+        assert r["calls"] == r["utterances"] * len(chunks)
+        assert r["mel_frames_out"] == r["utterances"] * 2 * cfg["utterance_tokens"]
+        audio_s = r["utterances"] * cfg["utterance_tokens"] / TOKEN_RATE
+        assert r["audio_s_per_s"] * r["wall_s"] == pytest.approx(audio_s, rel=1e-2)
+        steps = r["utterances"] * frames_per_utt * 10
+        assert r["frame_steps_per_s"] * r["wall_s"] == pytest.approx(steps, rel=1e-2)
+        assert r["latency_ms"][50] <= r["latency_ms"][95] <= r["latency_ms"][99]
+        if r["batching"] == "off":
+            assert r["batch_size_mean"] == 1.0
+    assert set(result["on_off_ratio"]) == set(cfg["concurrency"])
+    assert (tmp_path / "flow_service_bench.json").exists()

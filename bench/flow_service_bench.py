@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""flow_service alone under load: N concurrent streams calling `Generate` over gRPC (in-process
+server on loopback), each replaying the gateway's chunk schedule for a 3 s prompt and a 10 s
+utterance (75 + 250 tokens: chunks of 200, 300, 500 and 650 DiT frames), batching on and then
+off (`--max-batch-size 1`, the same code path) in the same run.
+
+    PYTHONPATH=. python3 bench/flow_service_bench.py --device cuda --dtype bfloat16
+    PYTHONPATH=. python3 bench/flow_service_bench.py --smoke      # small preset, CPU, seconds
+
+Like the gateway with all tokens in hand, each stream keeps up to --max-inflight of its chunk
+calls in flight, and starts its next utterance when the last call of the previous one is back
+(closed loop: the figures are the service's capacity). Reported per level: frame-steps per
+second (real DiT frames x solver steps, the unit the issue's DiT ceiling is quoted in), audio
+seconds per second, client-side per-call latency percentiles, and the service's own timing
+(queue wait, batch compute, batch size). Random weights: speed only. Writes
+$OUT/flow_service_bench.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.workload import TOKEN_RATE, make_bench_voice, make_tokens
+from flow_service.app import build_parser as flow_parser
+from flow_service.app import create_server
+from flow_service.model import NUM_STEPS, TOKEN_MEL_RATIO, load_flow
+from gateway.downstream import FlowClient
+from gateway.routing import ReplicaSet
+from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner
+
+
+def plan_calls(num_prompt_tokens: int, num_tokens: int) -> list:
+    """The gateway's chunk calls for one utterance whose tokens all arrived at once."""
+    planner = ChunkPlanner(num_prompt_tokens)
+    calls = []
+    for ended in (False, True):
+        while (chunk := planner.next_chunk(num_tokens, ended)) is not None:
+            calls.append(chunk)
+    return calls
+
+
+def seq_frames(num_prompt_tokens: int, chunk) -> int:
+    """DiT sequence length of a call: prompt plus the tokens whose mel exists after it."""
+    emitted = chunk.num_tokens - (0 if chunk.finalize else LOOKAHEAD_TOKENS)
+    return TOKEN_MEL_RATIO * (num_prompt_tokens + emitted)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 2) if values else None
+
+
+async def run_level(client: FlowClient, a: argparse.Namespace, streams: int, tag: str) -> dict:
+    calls: list[dict] = []
+
+    async def one_call(rid, seq, voice, tokens, chunk, gate) -> None:
+        async with gate:
+            t0 = time.perf_counter()
+            out = await client.generate(
+                request_id=rid,
+                seq=seq,
+                voice=voice,
+                tokens=tokens[: chunk.num_tokens],
+                token_offset=chunk.token_offset,
+                finalize=chunk.finalize,
+                streaming=chunk.streaming,
+                timeout=a.call_timeout,
+            )
+            latency_ms = (time.perf_counter() - t0) * 1e3
+        calls.append(
+            dict(
+                latency_ms=latency_ms,
+                queue_ms=out.queue_ms,
+                compute_ms=out.compute_ms,
+                batch_size=out.batch_size,
+                frames=seq_frames(a.prompt_tokens, chunk),
+                out_frames=out.mel.shape[1],
+                first=chunk.seq == 0,
+            )
+        )
+
+    async def stream(i: int) -> None:
+        voice = make_bench_voice(a.seed, i, a.prompt_tokens)
+        gate = asyncio.Semaphore(a.max_inflight)
+        for k in range(a.utterances):
+            tokens = make_tokens(a.seed, i * a.utterances + k, a.utterance_tokens)
+            rid = f"{tag}-s{i}-u{k}"
+            chunks = plan_calls(a.prompt_tokens, len(tokens))
+            await asyncio.gather(*(one_call(rid, c.seq, voice, tokens, c, gate) for c in chunks))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(stream(i) for i in range(streams)))
+    wall = time.perf_counter() - t0
+    utterances = streams * a.utterances
+    lat = [c["latency_ms"] for c in calls]
+    first = [c["latency_ms"] for c in calls if c["first"]]
+    return dict(
+        streams=streams,
+        utterances=utterances,
+        calls=len(calls),
+        wall_s=round(wall, 3),
+        frame_steps_per_s=round(sum(c["frames"] for c in calls) * NUM_STEPS / wall, 1),
+        audio_s_per_s=round(utterances * a.utterance_tokens / TOKEN_RATE / wall, 3),
+        mel_frames_out=sum(c["out_frames"] for c in calls),
+        latency_ms={q: pct(lat, q) for q in (50, 95, 99)},
+        first_chunk_latency_ms={q: pct(first, q) for q in (50, 95, 99)},
+        queue_ms_mean=round(float(np.mean([c["queue_ms"] for c in calls])), 2),
+        compute_ms_mean=round(float(np.mean([c["compute_ms"] for c in calls])), 2),
+        batch_size_mean=round(float(np.mean([c["batch_size"] for c in calls])), 2),
+    )
+
+
+async def run_mode(model, a: argparse.Namespace, batching: bool) -> list[dict]:
+    flags = ["--port", "0", "--metrics-port", "0", "--host", "127.0.0.1"]
+    flags += ["--device", a.device, "--dtype", a.dtype]
+    if not batching:
+        flags += ["--max-batch-size", "1"]
+    server, engine, warmup = create_server(flow_parser().parse_args(flags), model=model)
+    await server.start()
+    await warmup()
+    await server.set_serving(True)
+    replicas = ReplicaSet(f"127.0.0.1:{server.port}")
+    client = FlowClient(replicas)
+    label = "on" if batching else "off"
+    rows = []
+    try:
+        await run_level(client, a, min(4, max(a.concurrency)), f"warm-{label}")  # not measured
+        for n in a.concurrency:
+            row = dict(batching=label, **await run_level(client, a, n, f"{label}-c{n}"))
+            rows.append(row)
+            print(
+                f"batching {label:3} {n:3} streams: {row['frame_steps_per_s']:>10.0f} "
+                f"frame-steps/s {row['audio_s_per_s']:8.2f} audio s/s  latency p50/p95 "
+                f"{row['latency_ms'][50]}/{row['latency_ms'][95]} ms  batch "
+                f"{row['batch_size_mean']}",
+                flush=True,
+            )
+    finally:
+        await replicas.close()
+        await server.drain()
+        await engine.stop()
+    return rows
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--preset", default="cosyvoice3-0.5b")
+    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated stream counts")
+    p.add_argument("--utterances", type=int, default=2, help="per stream and level")
+    p.add_argument("--prompt-tokens", type=int, default=75)
+    p.add_argument("--utterance-tokens", type=int, default=250)
+    p.add_argument("--max-inflight", type=int, default=4, help="calls in flight per stream")
+    p.add_argument("--batching", default="on,off", help="on, off or on,off")
+    p.add_argument("--call-timeout", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.environ.get("OUT") or ".", help="folder for the JSON")
+    p.add_argument("--smoke", action="store_true", help="CPU, small preset, 2 levels, seconds")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.device, a.dtype, a.preset = "cpu", "float32", "small"
+        a.concurrency, a.utterances, a.utterance_tokens = "1,3", 1, 60
+    a.concurrency = [int(x) for x in str(a.concurrency).split(",")]
+    a.batching = [x.strip() for x in a.batching.split(",") if x.strip()]
+    if not set(a.batching) <= {"on", "off"} or not a.batching:
+        p.error("--batching: on, off or on,off")
+    return a
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    if a.device == "cpu":
+        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
+    model = load_flow(None, device=a.device, dtype=dtype, preset=a.preset)
+    rows = []
+    for label in a.batching:
+        rows += asyncio.run(run_mode(model, a, label == "on"))
+    ratios = {}
+    for n in a.concurrency:
+        by = {r["batching"]: r for r in rows if r["streams"] == n}
+        if {"on", "off"} <= set(by):
+            ratios[n] = round(by["on"]["frame_steps_per_s"] / by["off"]["frame_steps_per_s"], 2)
+    result = dict(
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        command="python bench/flow_service_bench.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        device=torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.machine(),
+        torch=torch.__version__,
+        config={k: v for k, v in vars(a).items() if k != "out"},
+        rows=rows,
+        on_off_ratio=ratios,
+    )
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "flow_service_bench.json").write_text(json.dumps(result, indent=2))
+    print("on/off frame-steps ratio by streams:", ratios, flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
