@@ -210,7 +210,10 @@ def run_benchmark(
         runs = Sweep(cfg, workload, targets, out, env, meta, a.quiet).run_all(specs)
     finally:
         for s in stacks:
-            s.stop()
+            try:
+                s.stop()
+            except Exception as exc:  # noqa: BLE001 - one stack's trouble must not strand the rest
+                print(f"stopping {s.name}: {exc}", file=sys.stderr)
     for path in plot_all(runs, out):
         print(f"plot {path}", file=sys.stderr)
     return runs, out

@@ -55,6 +55,10 @@ def seq_frames(num_prompt_tokens: int, chunk) -> int:
     return TOKEN_MEL_RATIO * (num_prompt_tokens + emitted)
 
 
+def _mean(values: list[float]) -> float | None:
+    return round(float(np.mean(values)), 2) if values else None
+
+
 def pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 2) if values else None
 
@@ -62,19 +66,29 @@ def pct(values: list[float], q: float) -> float | None:
 async def run_level(client: FlowClient, a: argparse.Namespace, streams: int, tag: str) -> dict:
     calls: list[dict] = []
 
-    async def one_call(rid, seq, voice, tokens, chunk, gate) -> None:
+    errors: dict[str, int] = {}  # status code -> failed calls (the level goes on)
+    completed: list[bool] = []  # per utterance: every call answered
+
+    async def one_call(rid, seq, voice, tokens, chunk, gate) -> bool:
         async with gate:
             t0 = time.perf_counter()
-            out = await client.generate(
-                request_id=rid,
-                seq=seq,
-                voice=voice,
-                tokens=tokens[: chunk.num_tokens],
-                token_offset=chunk.token_offset,
-                finalize=chunk.finalize,
-                streaming=chunk.streaming,
-                timeout=a.call_timeout,
-            )
+            try:
+                out = await client.generate(
+                    request_id=rid,
+                    seq=seq,
+                    voice=voice,
+                    tokens=tokens[: chunk.num_tokens],
+                    token_offset=chunk.token_offset,
+                    finalize=chunk.finalize,
+                    streaming=chunk.streaming,
+                    timeout=a.call_timeout,
+                )
+            except Exception as exc:  # noqa: BLE001 - counted by code, reported per level
+                code = getattr(exc, "code", None)
+                code = code() if callable(code) else code  # AioRpcError vs ServiceError
+                name = code.name if code is not None else type(exc).__name__
+                errors[name] = errors.get(name, 0) + 1
+                return False
             latency_ms = (time.perf_counter() - t0) * 1e3
         calls.append(
             dict(
@@ -87,6 +101,7 @@ async def run_level(client: FlowClient, a: argparse.Namespace, streams: int, tag
                 first=chunk.seq == 0,
             )
         )
+        return True
 
     async def stream(i: int) -> None:
         voice = make_bench_voice(a.seed, i, a.prompt_tokens)
@@ -95,31 +110,37 @@ async def run_level(client: FlowClient, a: argparse.Namespace, streams: int, tag
             tokens = make_tokens(a.seed, i * a.utterances + k, a.utterance_tokens)
             rid = f"{tag}-s{i}-u{k}"
             chunks = plan_calls(a.prompt_tokens, len(tokens))
-            await asyncio.gather(*(one_call(rid, c.seq, voice, tokens, c, gate) for c in chunks))
+            ok = await asyncio.gather(
+                *(one_call(rid, c.seq, voice, tokens, c, gate) for c in chunks)
+            )
+            completed.append(all(ok))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(stream(i) for i in range(streams)))
     wall = time.perf_counter() - t0
     utterances = streams * a.utterances
+    done = sum(completed)  # only whole utterances count as audio
     lat = [c["latency_ms"] for c in calls]
     first = [c["latency_ms"] for c in calls if c["first"]]
     return dict(
         streams=streams,
         utterances=utterances,
         calls=len(calls),
+        errors=errors,
         wall_s=round(wall, 3),
         frame_steps_per_s=round(sum(c["frames"] for c in calls) * NUM_STEPS / wall, 1),
-        audio_s_per_s=round(utterances * a.utterance_tokens / TOKEN_RATE / wall, 3),
+        utterances_completed=done,
+        audio_s_per_s=round(done * a.utterance_tokens / TOKEN_RATE / wall, 3),
         mel_frames_out=sum(c["out_frames"] for c in calls),
         latency_ms={q: pct(lat, q) for q in (50, 95, 99)},
         first_chunk_latency_ms={q: pct(first, q) for q in (50, 95, 99)},
-        queue_ms_mean=round(float(np.mean([c["queue_ms"] for c in calls])), 2),
-        compute_ms_mean=round(float(np.mean([c["compute_ms"] for c in calls])), 2),
-        batch_size_mean=round(float(np.mean([c["batch_size"] for c in calls])), 2),
+        queue_ms_mean=_mean([c["queue_ms"] for c in calls]),
+        compute_ms_mean=_mean([c["compute_ms"] for c in calls]),
+        batch_size_mean=_mean([c["batch_size"] for c in calls]),
     )
 
 
-async def run_mode(model, a: argparse.Namespace, batching: bool) -> list[dict]:
+async def run_mode(model, a: argparse.Namespace, batching: bool, save) -> list[dict]:
     flags = ["--port", "0", "--metrics-port", "0", "--host", "127.0.0.1"]
     flags += ["--device", a.device, "--dtype", a.dtype]
     if not batching:
@@ -137,11 +158,12 @@ async def run_mode(model, a: argparse.Namespace, batching: bool) -> list[dict]:
         for n in a.concurrency:
             row = dict(batching=label, **await run_level(client, a, n, f"{label}-c{n}"))
             rows.append(row)
+            save(row)  # after every level: a crash or a time limit keeps what was measured
             print(
                 f"batching {label:3} {n:3} streams: {row['frame_steps_per_s']:>10.0f} "
                 f"frame-steps/s {row['audio_s_per_s']:8.2f} audio s/s  latency p50/p95 "
                 f"{row['latency_ms'][50]}/{row['latency_ms'][95]} ms  batch "
-                f"{row['batch_size_mean']}",
+                f"{row['batch_size_mean']}  errors {row['errors'] or 0}",
                 flush=True,
             )
     finally:
@@ -185,14 +207,6 @@ def main(argv=None) -> dict:
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
     model = load_flow(None, device=a.device, dtype=dtype, preset=a.preset)
-    rows = []
-    for label in a.batching:
-        rows += asyncio.run(run_mode(model, a, label == "on"))
-    ratios = {}
-    for n in a.concurrency:
-        by = {r["batching"]: r for r in rows if r["streams"] == n}
-        if {"on", "off"} <= set(by):
-            ratios[n] = round(by["on"]["frame_steps_per_s"] / by["off"]["frame_steps_per_s"], 2)
     result = dict(
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         command="python bench/flow_service_bench.py "
@@ -200,13 +214,24 @@ def main(argv=None) -> dict:
         device=torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.machine(),
         torch=torch.__version__,
         config={k: v for k, v in vars(a).items() if k != "out"},
-        rows=rows,
-        on_off_ratio=ratios,
+        rows=[],
+        on_off_ratio={},
     )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "flow_service_bench.json").write_text(json.dumps(result, indent=2))
-    print("on/off frame-steps ratio by streams:", ratios, flush=True)
+
+    def save(row: dict) -> None:
+        result["rows"].append(row)
+        for n in a.concurrency:
+            by = {r["batching"]: r for r in result["rows"] if r["streams"] == n}
+            if {"on", "off"} <= set(by) and by["off"]["frame_steps_per_s"] > 0:
+                ratio = by["on"]["frame_steps_per_s"] / by["off"]["frame_steps_per_s"]
+                result["on_off_ratio"][n] = round(ratio, 2)
+        (out / "flow_service_bench.json").write_text(json.dumps(result, indent=2))
+
+    for label in a.batching:
+        asyncio.run(run_mode(model, a, label == "on", save))
+    print("on/off frame-steps ratio by streams:", result["on_off_ratio"], flush=True)
     return result
 
 

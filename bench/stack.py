@@ -91,8 +91,14 @@ class Stack:
         model = ["--device", c.device, "--dtype", c.dtype, "--preset", c.preset]
         if c.model_dir:
             model += ["--model-dir", c.model_dir]
-        flow = [*model, *([] if c.batching else ["--max-batch-size", "1"]), *c.flow_args]
-        vocoder = [*model, *([] if c.batching else ["--max-batch-sessions", "1"]), *c.vocoder_args]
+        # The forced "off" flags come last: argparse keeps the last value, so a pass-through
+        # --flow-arg=--max-batch-size=32 (meant for the "on" stack) cannot re-enable batching.
+        flow = [*model, *c.flow_args, *([] if c.batching else ["--max-batch-size", "1"])]
+        vocoder = [
+            *model,
+            *c.vocoder_args,
+            *([] if c.batching else ["--max-batch-sessions", "1"]),
+        ]
         gateway = [
             "--flow-addr",
             self._addrs("flow_service"),
@@ -162,18 +168,16 @@ class Stack:
                 )
 
     def stop(self) -> None:
-        # Gateway first, so no new work reaches the model services while they drain.
-        order = {"gateway": 0, "vocoder_service": 1, "flow_service": 2}
-        for name in sorted(self.procs, key=lambda n: order[_module(n)]):
-            proc = self.procs[name]
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        # Gateway first (and waited for), so no new work reaches the model services while
+        # they drain; then the model services together.
+        gateways = [p for n, p in self.procs.items() if _module(n) == "gateway"]
+        others = [p for n, p in self.procs.items() if _module(n) != "gateway"]
+        for group in (gateways, others):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in group:
+                _reap(proc)
         for log in self._logs:
             log.close()
         self._logs.clear()
@@ -187,6 +191,18 @@ class Stack:
 
 def _module(name: str) -> str:
     return name.split(".", 1)[0]
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """Wait for a signalled process; kill it past 20 s. Never raises."""
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass  # stuck in the kernel; nothing more a user process can do
 
 
 def start_stacks(configs: list[StackConfig], log_dir: str | Path) -> list[Stack]:

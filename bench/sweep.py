@@ -69,6 +69,9 @@ class SweepConfig:
             raise InvalidConfig("utterances_per_stream", f"{self.utterances_per_stream}, want >= 1")
         if self.paced_concurrency and self.paced_rate <= 0:
             raise InvalidConfig("paced_rate", f"{self.paced_rate}, want > 0 tokens/s")
+        for field, rates in (("rates", self.rates), ("off_rates", self.off_rates or ())):
+            if any(r <= 0 for r in rates):
+                raise InvalidConfig(field, f"{rates}, want arrival rates > 0 streams/s")
         if self.rates and self.duration_s <= 0:
             raise InvalidConfig("duration", f"{self.duration_s}, want > 0 s")
         if self.warmup_streams < 0:
@@ -95,7 +98,11 @@ def plan(cfg: SweepConfig, pace: float) -> list[RunSpec]:
                 specs.append(RunSpec(kind, label, level, run_pace, **kw))
 
     add("closed", cfg.concurrency, cfg.off_concurrency, pace)
-    add("closed", cfg.paced_concurrency, cfg.off_concurrency, cfg.paced_rate)
+    # A paced level equal to a main level (same concurrency, same pace) would only repeat it
+    # under the same run name, overwriting its JSON.
+    same = cfg.paced_rate == pace
+    paced = tuple(c for c in cfg.paced_concurrency if not (same and c in cfg.concurrency))
+    add("closed", paced, cfg.off_concurrency, cfg.paced_rate)
     add("open", cfg.rates, cfg.off_rates, pace, duration_s=cfg.duration_s)
     return specs
 

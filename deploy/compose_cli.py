@@ -24,7 +24,11 @@ def _is_v2(cmd: list[str]) -> bool:
         )
     except (OSError, subprocess.TimeoutExpired):
         return False
-    return out.returncode == 0 and out.stdout.strip().lstrip("v").startswith("2.")
+    if out.returncode != 0:
+        return False
+    # "2.40.3", "v2.40.3", "5.0.0": Compose v2 and anything later speaks the same CLI.
+    major = out.stdout.strip().lstrip("v").split(".", 1)[0]
+    return major.isdigit() and int(major) >= 2
 
 
 def compose_command() -> list[str] | None:

@@ -36,6 +36,13 @@ def build_parser() -> EnvParser:
     )
     p.flag("--resolve-interval", type=float, default=5.0, help="seconds between DNS lookups")
     p.flag(
+        "--retire-grace",
+        type=float,
+        default=330.0,
+        help="seconds a replica that left DNS keeps serving the calls already on it (a "
+        "vocoder session lasts as long as its stream); no new calls go there",
+    )
+    p.flag(
         "--max-streams",
         type=int,
         default=1024,
@@ -65,12 +72,13 @@ def build_parser() -> EnvParser:
 
 
 def create_server(args: argparse.Namespace):
-    flows = ReplicaSet(
-        args.flow_addr, refresh_s=args.resolve_interval, max_message_mb=args.max_message_mb
+    routing = dict(
+        refresh_s=args.resolve_interval,
+        max_message_mb=args.max_message_mb,
+        retire_grace_s=args.retire_grace,
     )
-    vocoders = ReplicaSet(
-        args.vocoder_addr, refresh_s=args.resolve_interval, max_message_mb=args.max_message_mb
-    )
+    flows = ReplicaSet(args.flow_addr, **routing)
+    vocoders = ReplicaSet(args.vocoder_addr, **routing)
     limits = PipelineLimits(args.max_inflight_chunks, args.max_buffered_chunks, args.call_timeout)
     servicer = GatewayServicer(
         FlowClient(flows, args.flow_attempts),

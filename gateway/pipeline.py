@@ -149,9 +149,12 @@ class StreamPipeline:
             await self._changed.wait()
             self._changed.clear()
             while (chunk := self.planner.next_chunk(self.num_tokens, self.ended)) is not None:
+                # The clock starts when the tokens are in, so time spent waiting for a slot
+                # counts as the gateway's (gateway_ms), not as transport.
+                ready_at = time.monotonic()
                 await self._slots.acquire()  # bounded in-flight chunks per stream
                 self._chunks[chunk.seq] = chunk
-                self._ready_at[chunk.seq] = time.monotonic()
+                self._ready_at[chunk.seq] = ready_at
                 fut = asyncio.get_running_loop().create_future()
                 self._mels[chunk.seq] = fut
                 tokens = self.tokens[: chunk.num_tokens].copy()

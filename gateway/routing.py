@@ -50,7 +50,14 @@ def rendezvous(key: str, addresses: list[str]) -> str:
 
 
 class ReplicaSet:
-    def __init__(self, spec: str, *, refresh_s: float = 5.0, max_message_mb: int = 64):
+    def __init__(
+        self,
+        spec: str,
+        *,
+        refresh_s: float = 5.0,
+        max_message_mb: int = 64,
+        retire_grace_s: float = 330.0,
+    ):
         self.spec = spec
         self._static, self._dns = parse_spec(spec)
         self.refresh_s = refresh_s
@@ -58,6 +65,11 @@ class ReplicaSet:
         self._addresses: list[str] = list(self._static)
         self._resolved_at = -1e9
         self._channels: dict[str, grpc.aio.Channel] = {}  # address -> channel
+        # A replica that left DNS (scale-down, rollout) is draining: no new calls go there, but
+        # its channel stays open for the calls already on it (a vocoder session lasts as long
+        # as its stream) until they end or this grace runs out.
+        self.retire_grace_s = retire_grace_s
+        self._retiring: dict[asyncio.Task, grpc.aio.Channel] = {}
         self._next = 0
         self._lock = asyncio.Lock()
 
@@ -89,7 +101,11 @@ class ReplicaSet:
             logger.info("%s -> %s", self.spec, addrs)
             for gone in set(self._channels) - set(addrs):
                 channel = self._channels.pop(gone)
-                asyncio.get_running_loop().create_task(channel.close(grace=30))
+                task = asyncio.get_running_loop().create_task(
+                    channel.close(grace=self.retire_grace_s)
+                )
+                self._retiring[task] = channel
+                task.add_done_callback(lambda t: self._retiring.pop(t, None))
         self._addresses = addrs
         self._resolved_at = time.monotonic()
 
@@ -109,7 +125,15 @@ class ReplicaSet:
     async def pick(self, key: str) -> str:
         return rendezvous(key, await self.addresses())
 
+    @property
+    def num_retiring(self) -> int:
+        """Channels of replicas that left DNS, still open for their calls."""
+        return len(self._retiring)
+
     async def close(self) -> None:
-        for ch in self._channels.values():
+        for ch in [*self._channels.values(), *self._retiring.values()]:
             await ch.close()
         self._channels.clear()
+        for task in list(self._retiring):
+            task.cancel()
+        self._retiring.clear()

@@ -156,6 +156,28 @@ def test_plan_alternates_and_restricts_batching_off():
     with pytest.raises(InvalidConfig) as err:
         SweepConfig(concurrency=(0,))
     assert err.value.field == "concurrency"
+    with pytest.raises(InvalidConfig) as err:  # caught at once, not after the closed-loop runs
+        SweepConfig(concurrency=(1,), rates=(0.0, 2.0))
+    assert err.value.field == "rates"
+    # a paced level that repeats a main level (same pace) is not planned twice
+    paced = plan(SweepConfig(concurrency=(32,), paced_concurrency=(32, 64)), pace=25.0)
+    assert [(s.level, s.pace) for s in paced if s.label == "on"] == [(32, 25.0), (64, 25.0)]
+
+
+def test_pass_through_flags_cannot_turn_batching_back_on(tmp_path):
+    from bench.stack import Stack, StackConfig
+
+    cfg = StackConfig(
+        batching=False,
+        flow_args=("--max-batch-size=32",),
+        vocoder_args=("--max-batch-sessions=8",),
+    )
+    cmds = Stack(cfg, tmp_path).commands()
+    from flow_service.app import build_parser as flow_parser
+    from vocoder_service.__main__ import build_parser as vocoder_parser
+
+    assert flow_parser().parse_args(cmds["flow_service"][3:]).max_batch_size == 1
+    assert vocoder_parser().parse_args(cmds["vocoder_service"][3:]).max_batch_sessions == 1
 
 
 def test_time_budget_estimates():
@@ -306,28 +328,38 @@ def test_replicated_stack_spreads_flow_calls_over_every_replica(tmp_path):
 
 
 def test_flow_service_bench_smoke(tmp_path):
-    """bench/flow_service_bench.py --smoke: both modes run every level, and the figures agree
-    with the work sent (calls from the schedule, mel frames from the tokens)."""
-    from bench.flow_service_bench import main, plan_calls, seq_frames
+    """bench/flow_service_bench.py --smoke (3 s prompt, 60-token utterances): both modes run
+    every level, and the figures agree with the work, counted by hand: the gateway schedule
+    makes 2 calls per utterance (25 tokens + 3 lookahead streaming, then the final call), DiT
+    sequences of 2 x (75 + 25) = 200 and 2 x (75 + 60) = 270 frames, 120 mel frames back."""
+    from bench.flow_service_bench import main
 
     result = main(["--smoke", "--out", str(tmp_path)])
-    cfg = result["config"]
-    chunks = plan_calls(cfg["prompt_tokens"], cfg["utterance_tokens"])
-    assert chunks[-1].finalize and not chunks[0].finalize
-    frames_per_utt = sum(seq_frames(cfg["prompt_tokens"], c) for c in chunks)
     rows = result["rows"]
     assert {(r["batching"], r["streams"]) for r in rows} == {
-        (b, n) for b in ("on", "off") for n in cfg["concurrency"]
+        (b, n) for b in ("on", "off") for n in (1, 3)
     }
     for r in rows:
-        assert r["calls"] == r["utterances"] * len(chunks)
-        assert r["mel_frames_out"] == r["utterances"] * 2 * cfg["utterance_tokens"]
-        audio_s = r["utterances"] * cfg["utterance_tokens"] / TOKEN_RATE
-        assert r["audio_s_per_s"] * r["wall_s"] == pytest.approx(audio_s, rel=1e-2)
-        steps = r["utterances"] * frames_per_utt * 10
+        assert r["errors"] == {} and r["utterances_completed"] == r["utterances"] == r["streams"]
+        assert r["calls"] == 2 * r["utterances"]
+        assert r["mel_frames_out"] == 120 * r["utterances"]  # what the service sent back
+        assert r["audio_s_per_s"] * r["wall_s"] == pytest.approx(2.4 * r["utterances"], rel=1e-2)
+        steps = (200 + 270) * 10 * r["utterances"]
         assert r["frame_steps_per_s"] * r["wall_s"] == pytest.approx(steps, rel=1e-2)
-        assert r["latency_ms"][50] <= r["latency_ms"][95] <= r["latency_ms"][99]
-        if r["batching"] == "off":
-            assert r["batch_size_mean"] == 1.0
-    assert set(result["on_off_ratio"]) == set(cfg["concurrency"])
-    assert (tmp_path / "flow_service_bench.json").exists()
+        assert (r["batch_size_mean"] == 1.0) if r["batching"] == "off" else r["batch_size_mean"]
+    assert set(result["on_off_ratio"]) == {1, 3}
+    on_disk = json.loads((tmp_path / "flow_service_bench.json").read_text())
+    assert len(on_disk["rows"]) == len(rows)
+
+
+def test_flow_service_bench_counts_failed_calls_and_goes_on(tmp_path):
+    """Calls that fail (here: a deadline no call can meet) are counted by status code; the
+    level and the run go on, and no audio is credited for unfinished utterances."""
+    from bench.flow_service_bench import main
+
+    result = main(
+        ["--smoke", "--batching", "on", "--call-timeout", "0.001", "--out", str(tmp_path)]
+    )
+    for r in result["rows"]:
+        assert r["errors"].get("DEADLINE_EXCEEDED", 0) == 2 * r["utterances"]
+        assert r["utterances_completed"] == 0 and r["audio_s_per_s"] == 0

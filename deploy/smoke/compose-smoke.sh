@@ -14,14 +14,14 @@
 # Env: SMOKE_PROJECT (compose project, default t2w-smoke), SMOKE_BASE_IMAGE (default
 # token2wav-base:bookworm, built when missing), SMOKE_TORCH_WHEEL (a torch wheel file; default:
 # the one in /opt/wheels that fits the base image's Python; empty string: none), SMOKE_INDEX_URL
-# (package index for the build; default pypi.org), PYTHON (runs the client; default .venv),
-# SMOKE_KEEP=1 leaves the stack up.
+# (package index for the build; default: pypi.org next to a local torch wheel, which also
+# serves torch's own dependencies, else the Dockerfile's CPU PyTorch index), PYTHON (runs the
+# client; default .venv), SMOKE_KEEP=1 leaves the stack up.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 PROJECT="${SMOKE_PROJECT:-t2w-smoke}"
 BASE_IMAGE="${SMOKE_BASE_IMAGE:-token2wav-base:bookworm}"
-INDEX_URL="${SMOKE_INDEX_URL:-https://pypi.org/simple}"
 PY="${PYTHON:-.venv/bin/python}"
 TOKENS=250 # the client's default sample: 10 s of audio
 
@@ -60,13 +60,17 @@ pytag="$(docker run --rm "$BASE_IMAGE" python3 -c \
     'import sys; print("cp%d%d" % sys.version_info[:2])')"
 log "base image $BASE_IMAGE, python $pytag"
 
-export T2W_IMAGE="token2wav:smoke" T2W_BASE_IMAGE="$BASE_IMAGE" T2W_TORCH_INDEX_URL="$INDEX_URL"
+export T2W_IMAGE="token2wav:smoke" T2W_BASE_IMAGE="$BASE_IMAGE"
+if [[ -n "${SMOKE_INDEX_URL:-}" ]]; then
+    export T2W_TORCH_INDEX_URL="$SMOKE_INDEX_URL"
+fi
 wheel="${SMOKE_TORCH_WHEEL-$(compgen -G "/opt/wheels/torch-*-$pytag-*linux*x86_64.whl" | sort | tail -1 || true)}"
 if [[ -n "$wheel" ]]; then
     cp -u "$wheel" deploy/wheels/
     # torch-2.13.0+cpu-cp311-... -> torch==2.13.0+cpu: pin exactly the local file.
     version="$(basename "$wheel" | cut -d- -f2)"
     export T2W_TORCH_SPEC="torch==$version"
+    export T2W_TORCH_INDEX_URL="${SMOKE_INDEX_URL:-https://pypi.org/simple}"
     log "torch from local wheel $(basename "$wheel") ($T2W_TORCH_SPEC)"
 fi
 if ls /usr/local/share/ca-certificates/*.crt >/dev/null 2>&1; then

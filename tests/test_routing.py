@@ -1,0 +1,129 @@
+"""Replica discovery: a replica that leaves DNS keeps serving the calls already on it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+
+from gateway.routing import ReplicaSet, parse_spec, rendezvous
+
+METHOD = "/t2w.test.Slow/Wait"
+
+
+async def _slow_server(delay_s: float) -> tuple[grpc.aio.Server, int]:
+    async def wait(request: bytes, context) -> bytes:
+        await asyncio.sleep(delay_s)
+        return b"done:" + request
+
+    handler = grpc.method_handlers_generic_handler(
+        "t2w.test.Slow", {"Wait": grpc.unary_unary_rpc_method_handler(wait)}
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("0.0.0.0:0")  # 127.0.0.1 and 127.0.0.2 both reach it
+    await server.start()
+    return server, port
+
+
+def _fake_dns(monkeypatch, answers: dict[str, list[str]]) -> None:
+    """Make the running loop's getaddrinfo answer from `answers` (mutable: tests edit it)."""
+
+    async def getaddrinfo(host, port, **kwargs):
+        if host not in answers or not answers[host]:
+            raise socket.gaierror(f"no such host {host}")
+        return [
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answers[host]
+        ]
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
+
+
+async def _call_through(replicas: ReplicaSet, addr: str, payload: bytes) -> bytes:
+    call = replicas.channel(addr).unary_unary(METHOD)
+    return await call(payload, timeout=30)
+
+
+async def _start_call_on_leaving_replica(monkeypatch, grace_s: float, delay_s: float):
+    server, port = await _slow_server(delay_s)
+    answers = {"replicas.test": ["127.0.0.1", "127.0.0.2"]}
+    _fake_dns(monkeypatch, answers)
+    replicas = ReplicaSet(f"dns:///replicas.test:{port}", refresh_s=0.0, retire_grace_s=grace_s)
+    assert await replicas.addresses() == [f"127.0.0.1:{port}", f"127.0.0.2:{port}"]
+    leaving = f"127.0.0.2:{port}"
+    call = asyncio.create_task(_call_through(replicas, leaving, b"x"))
+    await asyncio.sleep(0.3)  # the call is on the wire before the replica leaves
+    answers["replicas.test"] = ["127.0.0.1"]
+    assert await replicas.addresses() == [f"127.0.0.1:{port}"]
+    assert replicas.num_retiring == 1
+    return server, replicas, call
+
+
+@pytest.mark.asyncio
+async def test_call_on_a_replica_that_left_dns_finishes(monkeypatch):
+    server, replicas, call = await _start_call_on_leaving_replica(
+        monkeypatch, grace_s=30.0, delay_s=1.0
+    )
+    try:
+        assert await call == b"done:x"
+        for _ in range(50):  # the channel closes once its last call ends
+            if replicas.num_retiring == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert replicas.num_retiring == 0
+        # New calls go to the replica still in DNS.
+        addr = await replicas.pick("some-request-id")
+        assert addr.startswith("127.0.0.1:")
+    finally:
+        await replicas.close()
+        await server.stop(None)
+
+
+@pytest.mark.asyncio
+async def test_retire_grace_bounds_how_long_a_leaving_replica_is_kept(monkeypatch):
+    server, replicas, call = await _start_call_on_leaving_replica(
+        monkeypatch, grace_s=0.2, delay_s=5.0
+    )
+    try:
+        # grpc.aio reports a call its own channel cancelled as asyncio.CancelledError.
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(call, timeout=3.0)
+        assert call.cancelled() or isinstance(call.exception(), asyncio.CancelledError)
+        await asyncio.sleep(0.05)
+        assert replicas.num_retiring == 0
+    finally:
+        await replicas.close()
+        await server.stop(None)
+
+
+@pytest.mark.asyncio
+async def test_failed_lookup_keeps_known_replicas(monkeypatch):
+    answers = {"replicas.test": ["127.0.0.1", "127.0.0.2"]}
+    _fake_dns(monkeypatch, answers)
+    replicas = ReplicaSet("dns:///replicas.test:5000", refresh_s=0.0)
+    try:
+        first = await replicas.addresses()
+        answers["replicas.test"] = []  # resolver failure (e.g. DNS outage during a rollout)
+        assert await replicas.addresses() == first
+        assert replicas.num_retiring == 0
+    finally:
+        await replicas.close()
+
+
+def test_spec_parsing_and_rendezvous_stability():
+    assert parse_spec("dns:///flow:50051") == ([], ("flow", 50051))
+    assert parse_spec("a:1, b:2") == (["a:1", "b:2"], None)
+    for bad in ("dns:///flow", "a:x", " , "):
+        with pytest.raises(ValueError):
+            parse_spec(bad)
+    addrs = [f"10.0.0.{i}:1" for i in range(4)]
+    keys = [f"req-{i}" for i in range(400)]
+    before = {k: rendezvous(k, addrs) for k in keys}
+    after = {k: rendezvous(k, addrs[:3]) for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    # Removing a replica moves exactly the keys that were on it, and spreads them out.
+    assert moved == [k for k in keys if before[k] == addrs[3]]
+    assert 50 < len(moved) < 150
+    assert len(set(after[k] for k in moved)) == 3
