@@ -143,8 +143,9 @@ async def run_level(client: FlowClient, a: argparse.Namespace, streams: int, tag
 async def run_mode(model, a: argparse.Namespace, batching: bool, save) -> list[dict]:
     flags = ["--port", "0", "--metrics-port", "0", "--host", "127.0.0.1"]
     flags += ["--device", a.device, "--dtype", a.dtype]
+    flags += a.flow_arg
     if not batching:
-        flags += ["--max-batch-size", "1"]
+        flags += ["--max-batch-size", "1"]  # after the pass-through flags: they cannot undo it
     server, engine, warmup = create_server(flow_parser().parse_args(flags), model=model)
     await server.start()
     await warmup()
@@ -189,6 +190,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--call-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("OUT") or ".", help="folder for the JSON")
+    p.add_argument(
+        "--flow-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra flow_service flag, repeatable (e.g. --flow-arg=--preempt=false)",
+    )
     p.add_argument("--smoke", action="store_true", help="CPU, small preset, 2 levels, seconds")
     a = p.parse_args(argv)
     if a.smoke:

@@ -92,6 +92,13 @@ def build_parser() -> EnvParser:
         help="largest batch (requests) run through CUDA graphs; larger ones run eagerly",
     )
     p.flag(
+        "--preempt",
+        type=bool,
+        default=True,
+        help="time to first audio under load: first chunks batch only with first chunks, and "
+        "run between the solver steps of a running batch of later chunks instead of after it",
+    )
+    p.flag(
         "--log-batches",
         type=bool,
         default=False,
@@ -107,6 +114,7 @@ def policy_from_args(args: argparse.Namespace) -> BatchPolicy:
         max_wait_ms=args.max_wait_ms,
         max_queue=args.max_queue,
         min_padding_efficiency=args.min_padding_efficiency,
+        first_chunks_apart=args.preempt,
     )
 
 
@@ -146,6 +154,7 @@ def create_server(args: argparse.Namespace, model=None):
         log_batches=args.log_batches,
         cuda_graphs=args.cuda_graphs,
         graph_max_batch=args.graph_max_batch,
+        preempt=args.preempt,
     )
     voices = VoiceCache(args.max_voices)
     servicer = FlowServicer(engine, voices)

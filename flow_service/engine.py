@@ -5,6 +5,12 @@ the `Scheduler` for a `Plan`, runs the model on a worker thread (its own CUDA st
 event loop keeps accepting calls while a batch computes, and hands each slot's result to the
 call in that slot. A call cancelled while waiting leaves the queue; one cancelled while its
 batch runs has its row discarded. A batch that raises fails only its own calls.
+
+Preemption: a batch of later chunks takes 10 solver steps, up to a couple of seconds at 64 rows
+of long chunks. A first chunk arriving meanwhile (time to first audio) would wait for all of
+them; instead, between two steps the runner asks the loop for a batch of the waiting first
+chunks, runs it to the end on the same thread and stream, and resumes. Rows are independent, so
+no result changes; the preempted batch's rows arrive later by the urgent batch's compute time.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +46,38 @@ class FlowResult:
     padded_frames: int
 
 
+class _UrgentRequest:
+    """The runner's request for an urgent batch, answered on the loop thread. A runner that
+    gives up (timeout) closes it first, so a plan is never taken out of the queue unseen."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._answered = threading.Event()
+        self._closed = False
+        self._plan: Plan | None = None
+
+    def open(self) -> bool:
+        """Loop thread, before taking calls: False once the runner has given up. The lock
+        stays held until deliver()."""
+        self._lock.acquire()
+        if self._closed:
+            self._lock.release()
+            return False
+        return True
+
+    def deliver(self, plan: Plan | None) -> None:
+        self._plan = plan
+        self._answered.set()
+        self._lock.release()
+
+    def wait(self, timeout: float) -> Plan | None:
+        if self._answered.wait(timeout):
+            return self._plan
+        with self._lock:  # either the loop delivered meanwhile, or it never will
+            self._closed = True
+            return self._plan
+
+
 class FlowEngine:
     def __init__(
         self,
@@ -48,6 +87,7 @@ class FlowEngine:
         cuda_graphs: bool = True,
         graph_max_batch: int = 8,
         graph_frame_multiple: int = 100,
+        preempt: bool = True,
     ):
         self.model = model
         self.policy = policy
@@ -67,6 +107,13 @@ class FlowEngine:
             self._graphs = GraphedEstimator(model.decoder.estimator, max_graphs=128)
         self.graph_max_batch = graph_max_batch
         self.graph_frame_multiple = graph_frame_multiple
+        self.preempt = preempt
+        self._loop_ref: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        # Written by the loop thread, read by the runner between steps (a plain int: reading a
+        # stale value costs one needless round trip or one step of delay, nothing more).
+        self._first_waiting = 0
+        self.num_preemptions = 0
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._futures: dict[int, asyncio.Future] = {}  # call_id -> the waiting caller's future
@@ -74,9 +121,16 @@ class FlowEngine:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
+        self._loop_ref = asyncio.get_running_loop()
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="flow-scheduler")
 
     async def stop(self) -> None:
+        self._stopping = True
+        logger.info(
+            "%d batches, %d of them urgent batches run between the steps of another",
+            self.num_batches,
+            self.num_preemptions,
+        )
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -103,6 +157,7 @@ class FlowEngine:
             payload=request,
         )
         self.scheduler.add(call)  # RESOURCE_EXHAUSTED when full: at once, queue unchanged
+        self._first_waiting += call.is_first_chunk
         future = asyncio.get_running_loop().create_future()
         self._futures[call.call_id] = future
         metrics.QUEUE_DEPTH.set(len(self.scheduler))
@@ -141,11 +196,13 @@ class FlowEngine:
                 metrics.DROPPED.labels("deadline").inc()
                 self._fail(call, DeadlineExceeded("deadline passed while waiting for a batch"))
             metrics.QUEUE_DEPTH.set(len(self.scheduler))
+            self._first_waiting = self.scheduler.num_first_chunks_waiting
             start_at = self.scheduler.ready_at(now)
             if start_at > now:
                 await self._sleep_until(min(start_at, self._next_deadline()))
                 continue
             plan = self.scheduler.schedule()
+            self._first_waiting = self.scheduler.num_first_chunks_waiting
             if plan is None:
                 continue
             started = time.monotonic()
@@ -160,9 +217,11 @@ class FlowEngine:
     def _next_deadline(self) -> float:
         return min((c.deadline for c in self.scheduler.waiting), default=math.inf)
 
-    def _generate(self, requests: list[ChunkRequest]) -> list[torch.Tensor]:
+    def _generate(
+        self, requests: list[ChunkRequest], between_steps=None
+    ) -> list[torch.Tensor]:
         if self._stream is None:
-            return self.model.generate(requests)
+            return self.model.generate(requests, between_steps=between_steps)
         num = len(requests)
         with torch.cuda.stream(self._stream):
             if self._graphs is not None and num <= self.graph_max_batch:
@@ -171,10 +230,13 @@ class FlowEngine:
                 bucket = 1 << (num - 1).bit_length()
                 padded = requests + [requests[-1]] * (bucket - num)
                 outputs = self.model.generate(
-                    padded, estimator=self._graphs, frame_multiple=self.graph_frame_multiple
+                    padded,
+                    estimator=self._graphs,
+                    frame_multiple=self.graph_frame_multiple,
+                    between_steps=between_steps,
                 )[:num]
             else:
-                outputs = self.model.generate(requests)
+                outputs = self.model.generate(requests, between_steps=between_steps)
         self._stream.synchronize()
         return outputs
 
@@ -192,12 +254,65 @@ class FlowEngine:
         step = self.graph_frame_multiple
         return [warmup_batch(b, t) for b in sizes for t in range(step, max_frames + 1, step)]
 
-    def _run(self, plan: Plan) -> tuple[list[torch.Tensor], float]:
+    def _run(self, plan: Plan, nested: bool = False) -> tuple[list[torch.Tensor], float]:
+        """Runner thread. compute time is the batch's wall time, any urgent batch run between
+        its steps included (what its callers waited)."""
         t0 = time.perf_counter()
-        outputs = self._generate([c.payload for c in plan.calls])
+        # Only a batch without first chunks gives way, and an urgent batch never does: nesting
+        # is one level deep.
+        preemptible = (
+            self.preempt and not nested and not any(c.is_first_chunk for c in plan.calls)
+        )
+        hook = self._between_steps if preemptible else None
+        outputs = self._generate([c.payload for c in plan.calls], between_steps=hook)
         if len(outputs) != len(plan.calls):
             raise SlotMismatch(f"model returned {len(outputs)} results for {len(plan.calls)} slots")
         return outputs, time.perf_counter() - t0
+
+    def _between_steps(self) -> None:
+        """Runner thread, between two solver steps of a preemptible batch."""
+        if self._stream is not None:
+            # Look at the queue when the GPU has finished this step, not when the CPU has
+            # queued it (the CPU runs a step or more ahead): an urgent batch then starts on an
+            # idle card instead of behind already-launched steps. A long batch's steps are
+            # 20-150 ms; the sync costs microseconds of launch latency per step.
+            self._stream.synchronize()
+        if self._first_waiting <= 0 or self._stopping or self._loop_ref is None:
+            return
+        ask = _UrgentRequest()
+        try:
+            asyncio.run_coroutine_threadsafe(self._take_urgent(ask), self._loop_ref)
+        except RuntimeError:  # the loop is closed
+            return
+        plan = ask.wait(timeout=5.0)
+        if plan is None:
+            return
+        started = time.monotonic()
+        try:
+            result, exc = self._run(plan, nested=True), None
+        except Exception as e:  # noqa: BLE001 - fails the urgent calls only
+            logger.exception("urgent batch of %d failed", len(plan.calls))
+            result, exc = None, e
+        self._loop_ref.call_soon_threadsafe(self._finish, plan, result, exc, started)
+
+    async def _take_urgent(self, ask: _UrgentRequest) -> None:
+        """Loop thread: hand the waiting first chunks to the runner as one batch."""
+        if not ask.open():
+            return  # the runner stopped waiting; take nothing out of the queue
+        plan = None
+        try:
+            for call in self.scheduler.drop_finished(time.monotonic()):
+                metrics.DROPPED.labels("deadline").inc()
+                self._fail(call, DeadlineExceeded("deadline passed while waiting for a batch"))
+            plan = self.scheduler.schedule(first_chunks_only=True)
+            self._first_waiting = self.scheduler.num_first_chunks_waiting
+            metrics.QUEUE_DEPTH.set(len(self.scheduler))
+            if plan is not None:
+                plan.urgent = True
+                self.num_preemptions += 1
+                metrics.PREEMPTIONS.inc()
+        finally:
+            ask.deliver(plan)
 
     def _finish(self, plan: Plan, result, exc: Exception | None, started: float) -> None:
         done = time.monotonic()
@@ -218,8 +333,10 @@ class FlowEngine:
         if self.log_batches:
             lengths = sorted(c.num_seq_frames for c in plan.calls)
             logger.info(
-                "batch %d: %d reqs, T %d..%d, padded %d, efficiency %.2f, first-chunks %d, %.1f ms",
+                "batch %d%s: %d reqs, T %d..%d, padded %d, efficiency %.2f, first-chunks %d, "
+                "%.1f ms",
                 self.num_batches,
+                " (urgent, between steps)" if plan.urgent else "",
                 n,
                 lengths[0],
                 lengths[-1],

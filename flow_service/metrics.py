@@ -22,4 +22,8 @@ QUEUE_DEPTH = Gauge("t2w_flow_queue_depth", "Calls waiting for a batch")
 DROPPED = Counter(
     "t2w_flow_dropped_calls_total", "Calls that left before or during their batch", ["reason"]
 )
+PREEMPTIONS = Counter(
+    "t2w_flow_preemptions_total",
+    "Batches of first chunks run between the solver steps of a running batch",
+)
 VOICE_CACHE = Gauge("t2w_flow_voice_cache_entries", "Voices held in the LRU cache")

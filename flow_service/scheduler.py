@@ -10,6 +10,11 @@ that does not fit a batch only waits for the batches in front of it; nothing sta
 
 Waiting: when the card has been idle a batch starts at once; while it is busy, a free runner
 waits up to `max_wait_ms` after the oldest call's arrival for the batch to fill.
+
+First chunks apart (`first_chunks_apart`): a batch anchored by a first chunk takes only first
+chunks, and the engine lets a first chunk that arrives while a batch of later chunks runs go
+between two of its solver steps (`schedule(first_chunks_only=True)` forms that batch). Time to
+first audio is then one solver step of waiting plus a short batch, not two long batches.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ class BatchPolicy:
     # Real frames / padded frames a batch must keep when a call joins; below it the call waits
     # for a batch nearer its own length instead of riding along (padding is wasted compute).
     min_padding_efficiency: float = 0.7
+    # A batch led by a first chunk takes only first chunks: it stays short (one 200-frame
+    # chunk per stream), so time to first audio is not the compute time of a batch of long
+    # later chunks. Pairs with the engine's preemption (both on with --preempt).
+    first_chunks_apart: bool = True
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -70,6 +79,7 @@ class PendingCall:
 class Plan:
     calls: list[PendingCall]  # [num_reqs] slot i of the batch is calls[i]
     padded_len: int  # longest T in the batch
+    urgent: bool = False  # first chunks run between the steps of a running batch
 
     @property
     def num_padded_frames(self) -> int:
@@ -124,11 +134,20 @@ class Scheduler:
             return now
         return min(c.arrival for c in self.waiting) + wait
 
-    def schedule(self) -> Plan | None:
-        """Take the next batch out of the queue."""
-        if not self.waiting:
+    @property
+    def num_first_chunks_waiting(self) -> int:
+        return sum(c.is_first_chunk and c.status == CallStatus.WAITING for c in self.waiting)
+
+    def schedule(self, first_chunks_only: bool = False) -> Plan | None:
+        """Take the next batch out of the queue (only first chunks, if asked)."""
+        order = sorted(
+            (c for c in self.waiting if c.is_first_chunk or not first_chunks_only),
+            key=PendingCall.priority,
+        )
+        if not order:
             return None
-        order = sorted(self.waiting, key=PendingCall.priority)
+        if order[0].is_first_chunk and self.policy.first_chunks_apart:
+            order = [c for c in order if c.is_first_chunk]
         anchor = order[0]
         chosen = [anchor]
         padded = anchor.num_seq_frames

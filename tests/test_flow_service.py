@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from flow_service.app import build_parser, create_server
+from flow_service.engine import FlowEngine
 from flow_service.model import ChunkRequest, Voice, load_flow
+from flow_service.scheduler import BatchPolicy
 from token2wav.tensors import decode, encode, make_voice
 from token2wav.v1 import flow_pb2, flow_pb2_grpc
 
@@ -34,10 +36,32 @@ class SlowModel(torch.nn.Module):
         self.delay = delay
         self.batch_sizes: list[int] = []
 
-    def generate(self, chunks):
+    def generate(self, chunks, **kw):
         self.batch_sizes.append(len(chunks))
         time.sleep(self.delay)
-        return self.inner.generate(chunks)
+        return self.inner.generate(chunks, **kw)
+
+
+class SlowSteps(torch.nn.Module):
+    """The real model with a delay after each solver step, so a batch lasts long enough for
+    calls to arrive while it runs."""
+
+    def __init__(self, inner, step_delay: float):
+        super().__init__()
+        self.inner = inner
+        self.decoder = inner.decoder  # the engine graphs decoder.estimator on CUDA
+        self.step_delay = step_delay
+        self.batches: list[list[int]] = []  # token_offset of each request, per batch
+
+    def generate(self, chunks, between_steps=None, **kw):
+        self.batches.append([c.token_offset for c in chunks])
+
+        def step_done():
+            time.sleep(self.step_delay)
+            if between_steps is not None:
+                between_steps()
+
+        return self.inner.generate(chunks, between_steps=step_done, **kw)
 
 
 async def start(model, *flags):
@@ -78,15 +102,19 @@ def request_for(voice, tokens, offset, finalize, streaming, **kw):
     )
 
 
-def solo(model, voice, tokens, offset, finalize, streaming):
+def chunk_request(voice, tokens, offset, finalize, streaming) -> ChunkRequest:
     v = Voice(
         torch.from_numpy(voice.prompt_token),
         torch.from_numpy(voice.prompt_feat),
         torch.from_numpy(voice.embedding),
     )
-    req = ChunkRequest(
+    return ChunkRequest(
         v, torch.from_numpy(np.asarray(tokens, np.int64)), offset, finalize, streaming
     )
+
+
+def solo(model, voice, tokens, offset, finalize, streaming):
+    req = chunk_request(voice, tokens, offset, finalize, streaming)
     return model.generate([req])[0].float().cpu().numpy()
 
 
@@ -279,3 +307,83 @@ async def test_drain_finishes_in_flight_and_refuses_new(model):
     await drain
     await channel.close()
     await engine.stop()
+
+
+@pytest.mark.parametrize("preempt", [True, False])
+async def test_first_chunks_run_between_steps_of_a_long_batch(model, preempt):
+    """A first chunk arriving while a batch of later chunks runs is served between two of its
+    solver steps (with --preempt), and every result still equals its solo result."""
+    slow = SlowSteps(model, 0.04)  # 10 steps: a batch lasts > 0.36 s
+    server, engine, channel = await start(slow, "--preempt", str(preempt).lower())
+    try:
+        stub = flow_pb2_grpc.FlowStub(channel)
+        later = [(make_stream(500 + i, 20, 60), 25, i == 2) for i in range(3)]
+        first = [(make_stream(600 + i, 20, 28), 0, False) for i in range(2)]
+        done_at: dict[str, float] = {}
+
+        async def call(name, stream, offset, finalize):
+            (voice, tokens) = stream
+            req = request_for(voice, tokens, offset, finalize, True, request_id=name)
+            resp = await stub.Generate(req, timeout=30)
+            done_at[name] = time.monotonic()
+            return resp
+
+        long_batch = [
+            asyncio.ensure_future(call(f"later{i}", *c)) for i, c in enumerate(later)
+        ]
+        await asyncio.sleep(0.15)  # the batch of later chunks is a few steps in
+        assert slow.batches and all(off > 0 for off in slow.batches[0])
+        urgent = [asyncio.ensure_future(call(f"first{i}", *c)) for i, c in enumerate(first)]
+        responses = await asyncio.gather(*long_batch, *urgent)
+
+        for ((voice, tokens), offset, finalize), resp in zip([*later, *first], responses):
+            mel = decode(resp.mel, "mel", shape=(80, None))
+            assert close(mel, solo(model, voice, tokens, offset, finalize, True))
+        last_first = max(done_at[f"first{i}"] for i in range(2))
+        first_later = min(done_at[f"later{i}"] for i in range(3))
+        if preempt:
+            assert engine.num_preemptions == 1
+            # The first later chunk started alone (idle card); the first chunks ran as one
+            # batch of their own inside it.
+            assert [0, 0] in slow.batches
+            assert all(o > 0 for batch in slow.batches if batch != [0, 0] for o in batch)
+            assert last_first < first_later  # served before the running batch ended
+            assert all(r.timing.batch_size == 2 for r in responses[3:])
+        else:
+            assert engine.num_preemptions == 0
+            assert last_first > first_later
+    finally:
+        await stop(server, engine, channel)
+
+
+@pytest.mark.gpu
+async def test_preemption_on_cuda_sharing_a_graph_changes_no_result():
+    """On CUDA the urgent batch replays the very graph the preempted batch uses (same rows
+    bucket, same frames bucket); the preempted batch's next replay must see its own inputs
+    again (the graph runner re-copies any input that is not the tensor it copied last). The
+    same calls without preemption run as the same two batches: results must be identical."""
+    cuda_model = load_flow(None, preset="small", device="cuda")
+    # Later chunks: (20 + 60 - 3) x 2 = 154 frames; first chunks: (30 + 28 - 3) x 2 = 110;
+    # both run as 2 rows padded to 200 frames, i.e. through one graph.
+    later = [(*make_stream(700 + i, 20, 60), 25, False, True) for i in range(2)]
+    first = [(*make_stream(800 + i, 30, 28), 0, False, True) for i in range(2)]
+
+    async def run(preempt: bool):
+        slow = SlowSteps(cuda_model, 0.03)
+        engine = FlowEngine(slow, BatchPolicy(), graph_max_batch=8, preempt=preempt)
+        engine.start()
+        try:
+            running = [asyncio.ensure_future(engine.submit(chunk_request(*c))) for c in later]
+            await asyncio.sleep(0.1)  # a few steps in
+            urgent = [asyncio.ensure_future(engine.submit(chunk_request(*c))) for c in first]
+            results = await asyncio.gather(*running, *urgent)
+        finally:
+            await engine.stop()
+        assert sorted(map(sorted, slow.batches)) == [[0, 0], [25, 25]]
+        return engine.num_preemptions, [r.mel for r in results]
+
+    preempted, with_preemption = await run(True)
+    not_preempted, without = await run(False)
+    assert (preempted, not_preempted) == (1, 0)
+    for a, b in zip(with_preemption, without):
+        assert torch.equal(a, b)

@@ -113,11 +113,14 @@ class CFMDecoder(nn.Module):
         attn_bias: torch.Tensor,  # (2b, 1, t, t)
         frame_mask: torch.Tensor,  # (2b, t, 1)
         estimator: Estimator | None = None,
+        between_steps: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Integrate dx/dt = v from noise at t=0 to the mel at t=1; returns (b, t, c) fp32.
 
         Rows [0, b) carry mu, spk and cond; rows [b, 2b) the same x with all three zeroed
-        (the unconditional branch). The Euler state stays fp32 whatever the compute dtype."""
+        (the unconditional branch). The Euler state stays fp32 whatever the compute dtype.
+        `between_steps` is called after every step but the last, once the step's output is
+        consumed: the engine runs an urgent batch there (see FlowEngine)."""
         run = estimator if estimator is not None else self.estimator
         b = mu.shape[0]
         dtype = mu.dtype
@@ -126,13 +129,15 @@ class CFMDecoder(nn.Module):
         spks_in = torch.cat((spks, torch.zeros_like(spks)))  # (2b, c)
         r = self.cfg_rate
         x = noise
-        for t, dt in self.steps:
+        for k, (t, dt) in enumerate(self.steps):
             # fresh per step, never filled in place: graph runners may skip re-copying an input
             t_in = torch.full((2 * b,), t, dtype=torch.float32, device=mu.device)
             x_in = torch.cat((x, x)).to(dtype)  # (2b, t, c)
             v = run(x_in, mu_in, cond_in, spks_in, t_in, attn_bias, frame_mask).float()
             v_cond, v_uncond = v[:b], v[b:]
             x = x + dt * ((1.0 + r) * v_cond - r * v_uncond)
+            if between_steps is not None and k + 1 < len(self.steps):
+                between_steps()
         return x
 
 
@@ -227,7 +232,11 @@ class FlowModel(nn.Module):
         )
 
     def solve_batch(
-        self, batch: FlowBatch, estimator: Estimator | None = None, mask_padding: bool = True
+        self,
+        batch: FlowBatch,
+        estimator: Estimator | None = None,
+        mask_padding: bool = True,
+        between_steps: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Mel for every padded frame of every row: (b, t, c) fp32 on the model's device."""
         t = batch.num_frames
@@ -250,7 +259,9 @@ class FlowModel(nn.Module):
         )
         pos = torch.arange(t, device=mu.device)
         frame_mask = (pos[None, :] < seq_lens[:, None]).to(mu.dtype)[..., None]  # (2b, t, 1)
-        return self.decoder.solve(noise, mu, batch.cond, spks, bias, frame_mask, estimator)
+        return self.decoder.solve(
+            noise, mu, batch.cond, spks, bias, frame_mask, estimator, between_steps
+        )
 
     def scatter(
         self, batch: FlowBatch, mel: torch.Tensor, to_cpu: bool = True
@@ -279,14 +290,16 @@ class FlowModel(nn.Module):
         frame_multiple: int = 1,
         to_cpu: bool = True,
         mask_padding: bool = True,
+        between_steps: Callable[[], None] | None = None,
     ) -> list[torch.Tensor]:
         """New mel (80, frames) fp32 per request, in request order, from ONE solver pass.
 
         Outputs are on the CPU (default) or, with `to_cpu=False`, on the model's device.
         `estimator` may replace the DiT call (e.g. a `GraphedEstimator`). `mask_padding=False`
-        is a fault injection for tests only. Call from one thread at a time."""
+        is a fault injection for tests only. `between_steps` runs between solver steps (it may
+        itself call `generate`, on the same thread). Call from one thread at a time."""
         if not chunks:
             return []
         batch = self.prepare(chunks, frame_multiple)
-        mel = self.solve_batch(batch, estimator, mask_padding)
+        mel = self.solve_batch(batch, estimator, mask_padding, between_steps)
         return self.scatter(batch, mel, to_cpu)
