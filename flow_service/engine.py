@@ -16,6 +16,7 @@ no result changes; the preempted batch's rows arrive later by the urgent batch's
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import threading
@@ -114,6 +115,7 @@ class FlowEngine:
         # stale value costs one needless round trip or one step of delay, nothing more).
         self._first_waiting = 0
         self.num_preemptions = 0
+        self._nested_s = 0.0  # runner thread only: time spent in urgent batches
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._futures: dict[int, asyncio.Future] = {}  # call_id -> the waiting caller's future
@@ -137,7 +139,8 @@ class FlowEngine:
         for call in self.scheduler.waiting:
             self._fail(call, Unavailable("flow service is shutting down"))
         self.scheduler.waiting.clear()
-        self._executor.shutdown(wait=True)
+        # Off the loop: a runner between two steps may still be waiting for the loop's answer.
+        await asyncio.to_thread(self._executor.shutdown, wait=True)
 
     async def warmup(self, requests: list[ChunkRequest]) -> None:
         """Run the model off the loop (kernels, allocator, CUDA graphs) before SERVING."""
@@ -254,31 +257,41 @@ class FlowEngine:
         step = self.graph_frame_multiple
         return [warmup_batch(b, t) for b in sizes for t in range(step, max_frames + 1, step)]
 
-    def _run(self, plan: Plan, nested: bool = False) -> tuple[list[torch.Tensor], float]:
-        """Runner thread. compute time is the batch's wall time, any urgent batch run between
-        its steps included (what its callers waited)."""
+    def _run(
+        self, plan: Plan, nested: bool = False
+    ) -> tuple[list[torch.Tensor], float, float]:
+        """Runner thread: (outputs, wall s, own s). Wall time includes any urgent batch run
+        between this batch's steps (what its callers waited); own time does not."""
         t0 = time.perf_counter()
+        nested_before = self._nested_s
         # Only a batch without first chunks gives way, and an urgent batch never does: nesting
         # is one level deep.
         preemptible = (
             self.preempt and not nested and not any(c.is_first_chunk for c in plan.calls)
         )
-        hook = self._between_steps if preemptible else None
+        hook = None
+        if preemptible:
+            # Eager batches (more rows than graphs take) have long steps: look at the queue
+            # when the GPU has finished each one, not when the CPU has queued it (it runs a
+            # step or more ahead), so an urgent batch starts on an idle card; the sync costs
+            # microseconds a step. Short graphed steps keep CPU/GPU overlap and sync only
+            # when first chunks wait.
+            eager = self._graphs is None or len(plan.calls) > self.graph_max_batch
+            hook = functools.partial(self._between_steps, sync_every_step=eager)
         outputs = self._generate([c.payload for c in plan.calls], between_steps=hook)
         if len(outputs) != len(plan.calls):
             raise SlotMismatch(f"model returned {len(outputs)} results for {len(plan.calls)} slots")
-        return outputs, time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        return outputs, wall, wall - (self._nested_s - nested_before)
 
-    def _between_steps(self) -> None:
+    def _between_steps(self, sync_every_step: bool) -> None:
         """Runner thread, between two solver steps of a preemptible batch."""
-        if self._stream is not None:
-            # Look at the queue when the GPU has finished this step, not when the CPU has
-            # queued it (the CPU runs a step or more ahead): an urgent batch then starts on an
-            # idle card instead of behind already-launched steps. A long batch's steps are
-            # 20-150 ms; the sync costs microseconds of launch latency per step.
+        if sync_every_step and self._stream is not None:
             self._stream.synchronize()
         if self._first_waiting <= 0 or self._stopping or self._loop_ref is None:
             return
+        if self._stream is not None:
+            self._stream.synchronize()  # (again: cheap) the urgent batch gets an idle card
         ask = _UrgentRequest()
         try:
             asyncio.run_coroutine_threadsafe(self._take_urgent(ask), self._loop_ref)
@@ -288,12 +301,17 @@ class FlowEngine:
         if plan is None:
             return
         started = time.monotonic()
+        t0 = time.perf_counter()
         try:
             result, exc = self._run(plan, nested=True), None
         except Exception as e:  # noqa: BLE001 - fails the urgent calls only
             logger.exception("urgent batch of %d failed", len(plan.calls))
             result, exc = None, e
-        self._loop_ref.call_soon_threadsafe(self._finish, plan, result, exc, started)
+        self._nested_s += time.perf_counter() - t0
+        try:
+            self._loop_ref.call_soon_threadsafe(self._finish, plan, result, exc, started)
+        except RuntimeError:  # the loop closed meanwhile: nobody is left to answer
+            pass
 
     async def _take_urgent(self, ask: _UrgentRequest) -> None:
         """Loop thread: hand the waiting first chunks to the runner as one batch."""
@@ -301,6 +319,8 @@ class FlowEngine:
             return  # the runner stopped waiting; take nothing out of the queue
         plan = None
         try:
+            if self._stopping:
+                return  # stop() fails the waiting calls; none may slip into a batch now
             for call in self.scheduler.drop_finished(time.monotonic()):
                 metrics.DROPPED.labels("deadline").inc()
                 self._fail(call, DeadlineExceeded("deadline passed while waiting for a batch"))
@@ -311,6 +331,9 @@ class FlowEngine:
                 plan.urgent = True
                 self.num_preemptions += 1
                 metrics.PREEMPTIONS.inc()
+        except Exception:  # noqa: BLE001 - nobody reads this coroutine's result
+            logger.exception("forming an urgent batch failed")
+            plan = None
         finally:
             ask.deliver(plan)
 
@@ -328,8 +351,8 @@ class FlowEngine:
                 call.status = CallStatus.DONE
                 self._fail(call, error)
             return
-        outputs, compute_s = result
-        metrics.COMPUTE.observe(compute_s)
+        outputs, compute_s, own_s = result
+        metrics.COMPUTE.observe(own_s)  # GPU time of this batch alone: the sum stays <= wall
         if self.log_batches:
             lengths = sorted(c.num_seq_frames for c in plan.calls)
             logger.info(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 
@@ -106,3 +107,23 @@ def test_urgent_request_is_never_answered_after_the_runner_gave_up():
     answered.start()
     assert ask.wait(timeout=5.0) is plan
     answered.join()
+
+
+def test_urgent_request_answered_while_the_runner_times_out_is_still_received():
+    """The loop has taken calls out of the queue (lock held) when the runner's wait times out:
+    the runner must still get that plan, or those calls would never finish."""
+    ask = _UrgentRequest()
+    plan = Plan([call(200, first=True)], 200)
+    opened = threading.Event()
+
+    def loop_side():
+        assert ask.open()
+        opened.set()
+        time.sleep(0.2)  # past the runner's timeout, with the lock held
+        ask.deliver(plan)
+
+    t = threading.Thread(target=loop_side)
+    t.start()
+    opened.wait(5)
+    assert ask.wait(timeout=0.01) is plan
+    t.join()

@@ -5,6 +5,7 @@ overload and drain answer with the documented codes."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import grpc
@@ -44,24 +45,37 @@ class SlowModel(torch.nn.Module):
 
 class SlowSteps(torch.nn.Module):
     """The real model with a delay after each solver step, so a batch lasts long enough for
-    calls to arrive while it runs."""
+    calls to arrive while it runs. While `gate` is clear, a batch of later chunks holds at the
+    end of its first step (before the engine looks at the queue): tests line calls up there."""
 
     def __init__(self, inner, step_delay: float):
         super().__init__()
         self.inner = inner
         self.decoder = inner.decoder  # the engine graphs decoder.estimator on CUDA
         self.step_delay = step_delay
+        self.gate = threading.Event()
+        self.gate.set()
         self.batches: list[list[int]] = []  # token_offset of each request, per batch
 
     def generate(self, chunks, between_steps=None, **kw):
         self.batches.append([c.token_offset for c in chunks])
+        hold = all(c.token_offset > 0 for c in chunks)
 
         def step_done():
             time.sleep(self.step_delay)
+            if hold and not self.gate.wait(timeout=30):
+                raise TimeoutError("test gate never opened")
             if between_steps is not None:
                 between_steps()
 
         return self.inner.generate(chunks, between_steps=step_done, **kw)
+
+
+async def until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
 
 
 async def start(model, *flags):
@@ -311,9 +325,9 @@ async def test_drain_finishes_in_flight_and_refuses_new(model):
 
 @pytest.mark.parametrize("preempt", [True, False])
 async def test_first_chunks_run_between_steps_of_a_long_batch(model, preempt):
-    """A first chunk arriving while a batch of later chunks runs is served between two of its
-    solver steps (with --preempt), and every result still equals its solo result."""
-    slow = SlowSteps(model, 0.04)  # 10 steps: a batch lasts > 0.36 s
+    """First chunks that arrive while a batch of later chunks runs are served between two of
+    its solver steps (with --preempt), and every result still equals its solo result."""
+    slow = SlowSteps(model, 0.02)
     server, engine, channel = await start(slow, "--preempt", str(preempt).lower())
     try:
         stub = flow_pb2_grpc.FlowStub(channel)
@@ -324,16 +338,18 @@ async def test_first_chunks_run_between_steps_of_a_long_batch(model, preempt):
         async def call(name, stream, offset, finalize):
             (voice, tokens) = stream
             req = request_for(voice, tokens, offset, finalize, True, request_id=name)
-            resp = await stub.Generate(req, timeout=30)
+            resp = await stub.Generate(req, timeout=60)
             done_at[name] = time.monotonic()
             return resp
 
+        slow.gate.clear()  # the first batch of later chunks holds after its first step
         long_batch = [
             asyncio.ensure_future(call(f"later{i}", *c)) for i, c in enumerate(later)
         ]
-        await asyncio.sleep(0.15)  # the batch of later chunks is a few steps in
-        assert slow.batches and all(off > 0 for off in slow.batches[0])
+        await until(lambda: len(slow.batches) == 1)
         urgent = [asyncio.ensure_future(call(f"first{i}", *c)) for i, c in enumerate(first)]
+        await until(lambda: engine.scheduler.num_first_chunks_waiting == 2)
+        slow.gate.set()
         responses = await asyncio.gather(*long_batch, *urgent)
 
         for ((voice, tokens), offset, finalize), resp in zip([*later, *first], responses):
@@ -341,17 +357,16 @@ async def test_first_chunks_run_between_steps_of_a_long_batch(model, preempt):
             assert close(mel, solo(model, voice, tokens, offset, finalize, True))
         last_first = max(done_at[f"first{i}"] for i in range(2))
         first_later = min(done_at[f"later{i}"] for i in range(3))
+        assert all(off > 0 for off in slow.batches[0])
         if preempt:
             assert engine.num_preemptions == 1
-            # The first later chunk started alone (idle card); the first chunks ran as one
-            # batch of their own inside it.
-            assert [0, 0] in slow.batches
-            assert all(o > 0 for batch in slow.batches if batch != [0, 0] for o in batch)
+            assert slow.batches[1] == [0, 0]  # both first chunks, as one batch inside it
+            assert all(o > 0 for batch in slow.batches[2:] for o in batch)
             assert last_first < first_later  # served before the running batch ended
             assert all(r.timing.batch_size == 2 for r in responses[3:])
         else:
             assert engine.num_preemptions == 0
-            assert last_first > first_later
+            assert last_first > first_later  # they waited for the running batch
     finally:
         await stop(server, engine, channel)
 
@@ -373,13 +388,17 @@ async def test_preemption_on_cuda_sharing_a_graph_changes_no_result():
         engine = FlowEngine(slow, BatchPolicy(), graph_max_batch=8, preempt=preempt)
         engine.start()
         try:
+            slow.gate.clear()
             running = [asyncio.ensure_future(engine.submit(chunk_request(*c))) for c in later]
-            await asyncio.sleep(0.1)  # a few steps in
+            await until(lambda: len(slow.batches) == 1)
             urgent = [asyncio.ensure_future(engine.submit(chunk_request(*c))) for c in first]
+            await until(lambda: engine.scheduler.num_first_chunks_waiting == 2)
+            slow.gate.set()
             results = await asyncio.gather(*running, *urgent)
         finally:
             await engine.stop()
         assert sorted(map(sorted, slow.batches)) == [[0, 0], [25, 25]]
+        assert len(engine._graphs) == 1  # both batches replayed the one graph
         return engine.num_preemptions, [r.mel for r in results]
 
     preempted, with_preemption = await run(True)
@@ -387,3 +406,45 @@ async def test_preemption_on_cuda_sharing_a_graph_changes_no_result():
     assert (preempted, not_preempted) == (1, 0)
     for a, b in zip(with_preemption, without):
         assert torch.equal(a, b)
+
+
+class FailsOnFirstChunks(SlowSteps):
+    """Slow steps, and any batch holding a first chunk raises: a failing urgent batch."""
+
+    def generate(self, chunks, between_steps=None, **kw):
+        if any(c.token_offset == 0 for c in chunks):
+            self.batches.append([c.token_offset for c in chunks])
+            raise RuntimeError("injected failure")
+        return super().generate(chunks, between_steps=between_steps, **kw)
+
+
+async def test_failing_urgent_batch_fails_only_its_calls(model):
+    slow = FailsOnFirstChunks(model, 0.04)
+    server, engine, channel = await start(slow)
+    try:
+        stub = flow_pb2_grpc.FlowStub(channel)
+        later = [(make_stream(900 + i, 20, 60), 25) for i in range(2)]
+        first = make_stream(950, 20, 28)
+
+        def req(stream, offset, name):
+            return request_for(*stream, offset, False, True, request_id=name)
+
+        slow.gate.clear()
+        running = [
+            asyncio.ensure_future(stub.Generate(req(s, o, f"l{i}"), timeout=60))
+            for i, (s, o) in enumerate(later)
+        ]
+        await until(lambda: len(slow.batches) == 1)
+        failing = asyncio.ensure_future(stub.Generate(req(first, 0, "f"), timeout=60))
+        await until(lambda: engine.scheduler.num_first_chunks_waiting == 1)
+        slow.gate.set()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await failing
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        assert not any(c.done() for c in running)  # it failed between their steps
+        for ((voice, tokens), offset), resp in zip(later, await asyncio.gather(*running)):
+            mel = decode(resp.mel, "mel", shape=(80, None))
+            assert close(mel, solo(model, voice, tokens, offset, False, True))
+        assert engine.num_preemptions == 1 and len(engine.scheduler) == 0
+    finally:
+        await stop(server, engine, channel)

@@ -7,7 +7,11 @@ way a runner does, and the model stays stateless. Pass it as `estimator=` to
 Contract: the returned tensor is a static buffer, overwritten by the next replay; the solver
 consumes it before calling again. x and t are copied on every call; the other inputs (mu,
 cond, speaker, masks: constant over the 10 steps) only when they are not the very same tensor
-objects as on the previous call, so never modify those in place between calls.
+objects as on the previous call, so never modify those in place between calls. Another solve
+may replay an entry between two calls of a solve in progress (the engine's preemption runs an
+urgent batch between solver steps): safe because `last_sources` holds the other solve's
+tensors, so the resumed solve's inputs are all copied again, and a solve consumes the output
+before its `between_steps` hook.
 """
 
 from __future__ import annotations
