@@ -220,9 +220,7 @@ class FlowEngine:
     def _next_deadline(self) -> float:
         return min((c.deadline for c in self.scheduler.waiting), default=math.inf)
 
-    def _generate(
-        self, requests: list[ChunkRequest], between_steps=None
-    ) -> list[torch.Tensor]:
+    def _generate(self, requests: list[ChunkRequest], between_steps=None) -> list[torch.Tensor]:
         if self._stream is None:
             return self.model.generate(requests, between_steps=between_steps)
         num = len(requests)
@@ -257,18 +255,14 @@ class FlowEngine:
         step = self.graph_frame_multiple
         return [warmup_batch(b, t) for b in sizes for t in range(step, max_frames + 1, step)]
 
-    def _run(
-        self, plan: Plan, nested: bool = False
-    ) -> tuple[list[torch.Tensor], float, float]:
+    def _run(self, plan: Plan, nested: bool = False) -> tuple[list[torch.Tensor], float, float]:
         """Runner thread: (outputs, wall s, own s). Wall time includes any urgent batch run
         between this batch's steps (what its callers waited); own time does not."""
         t0 = time.perf_counter()
         nested_before = self._nested_s
         # Only a batch without first chunks gives way, and an urgent batch never does: nesting
         # is one level deep.
-        preemptible = (
-            self.preempt and not nested and not any(c.is_first_chunk for c in plan.calls)
-        )
+        preemptible = self.preempt and not nested and not any(c.is_first_chunk for c in plan.calls)
         hook = None
         if preemptible:
             # Eager batches (more rows than graphs take) have long steps: look at the queue

@@ -98,7 +98,18 @@ class StreamPipeline:
             try:
                 await coro
             except asyncio.CancelledError:
-                raise
+                # grpc.aio raises CancelledError, not an RpcError, for a call whose channel was
+                # closed under it (a replica's --retire-grace ran out, or shutdown). Only a
+                # cancellation of this task is ours; the other is a failed stream, and left
+                # unreported it would hang the stream until its deadline. (Python >= 3.11
+                # tells them apart; 3.10 treats both as ours.)
+                cancelling = getattr(asyncio.current_task(), "cancelling", None)
+                if cancelling is None or cancelling() > 0:
+                    raise
+                if not self._failure.done():
+                    self._failure.set_exception(
+                        Aborted(f"{name}: a downstream call was cancelled under the stream")
+                    )
             except Exception as exc:  # noqa: BLE001 - the first failure ends the stream
                 if not self._failure.done():
                     self._failure.set_exception(exc)

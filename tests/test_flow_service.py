@@ -343,9 +343,7 @@ async def test_first_chunks_run_between_steps_of_a_long_batch(model, preempt):
             return resp
 
         slow.gate.clear()  # the first batch of later chunks holds after its first step
-        long_batch = [
-            asyncio.ensure_future(call(f"later{i}", *c)) for i, c in enumerate(later)
-        ]
+        long_batch = [asyncio.ensure_future(call(f"later{i}", *c)) for i, c in enumerate(later)]
         await until(lambda: len(slow.batches) == 1)
         urgent = [asyncio.ensure_future(call(f"first{i}", *c)) for i, c in enumerate(first)]
         await until(lambda: engine.scheduler.num_first_chunks_waiting == 2)

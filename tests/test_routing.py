@@ -34,9 +34,7 @@ def _fake_dns(monkeypatch, answers: dict[str, list[str]]) -> None:
     async def getaddrinfo(host, port, **kwargs):
         if host not in answers or not answers[host]:
             raise socket.gaierror(f"no such host {host}")
-        return [
-            (socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answers[host]
-        ]
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answers[host]]
 
     monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
 
@@ -127,3 +125,35 @@ def test_spec_parsing_and_rendezvous_stability():
     assert moved == [k for k in keys if before[k] == addrs[3]]
     assert 50 < len(moved) < 150
     assert len(set(after[k] for k in moved)) == 3
+
+
+@pytest.mark.skipif(not hasattr(asyncio.Task, "cancelling"), reason="needs Python >= 3.11")
+async def test_a_call_cancelled_under_a_stream_fails_it_instead_of_hanging():
+    """A downstream call whose channel closes under it raises CancelledError inside the
+    stream's task: the stream must end ABORTED, while cancelling the task itself (the client
+    went away) stays a plain cancellation."""
+    from gateway.pipeline import PipelineLimits, StreamPipeline, StreamSetup
+    from gateway.schedule import ScheduleConfig
+    from token2wav.errors import Aborted
+
+    setup = StreamSetup("r", _Voice(), 0, ScheduleConfig(), None)
+    pipeline = StreamPipeline(setup, None, None, PipelineLimits())
+
+    async def call_cancelled_by_its_channel():
+        raise asyncio.CancelledError()  # what grpc.aio raises for a locally cancelled call
+
+    await asyncio.gather(
+        pipeline._spawn(call_cancelled_by_its_channel(), "vocoder"), return_exceptions=True
+    )
+    assert isinstance(pipeline._failure.exception(), Aborted)
+
+    pipeline = StreamPipeline(setup, None, None, PipelineLimits())
+    task = pipeline._spawn(asyncio.sleep(30), "vocoder")
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert task.cancelled() and not pipeline._failure.done()
+
+
+class _Voice:
+    num_prompt_tokens = 75
