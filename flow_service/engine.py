@@ -195,17 +195,13 @@ class FlowEngine:
         loop = asyncio.get_running_loop()
         while True:
             now = time.monotonic()
-            for call in self.scheduler.drop_finished(now):
-                metrics.DROPPED.labels("deadline").inc()
-                self._fail(call, DeadlineExceeded("deadline passed while waiting for a batch"))
-            metrics.QUEUE_DEPTH.set(len(self.scheduler))
-            self._first_waiting = self.scheduler.num_first_chunks_waiting
+            self._drop_finished(now)
             start_at = self.scheduler.ready_at(now)
             if start_at > now:
                 await self._sleep_until(min(start_at, self._next_deadline()))
                 continue
             plan = self.scheduler.schedule()
-            self._first_waiting = self.scheduler.num_first_chunks_waiting
+            self._queue_changed()
             if plan is None:
                 continue
             started = time.monotonic()
@@ -216,6 +212,18 @@ class FlowEngine:
                 self._finish(plan, None, exc, started)
                 continue
             self._finish(plan, outputs, None, started)
+
+    def _drop_finished(self, now: float) -> None:
+        """Loop thread: cancelled calls leave the queue, expired ones fail."""
+        for call in self.scheduler.drop_finished(now):
+            metrics.DROPPED.labels("deadline").inc()
+            self._fail(call, DeadlineExceeded("deadline passed while waiting for a batch"))
+        self._queue_changed()
+
+    def _queue_changed(self) -> None:
+        """Loop thread: refresh what the runner and the metrics read of the queue."""
+        metrics.QUEUE_DEPTH.set(len(self.scheduler))
+        self._first_waiting = self.scheduler.num_first_chunks_waiting
 
     def _next_deadline(self) -> float:
         return min((c.deadline for c in self.scheduler.waiting), default=math.inf)
@@ -280,12 +288,11 @@ class FlowEngine:
 
     def _between_steps(self, sync_every_step: bool) -> None:
         """Runner thread, between two solver steps of a preemptible batch."""
-        if sync_every_step and self._stream is not None:
-            self._stream.synchronize()
-        if self._first_waiting <= 0 or self._stopping or self._loop_ref is None:
+        urgent = self._first_waiting > 0 and not self._stopping and self._loop_ref is not None
+        if self._stream is not None and (sync_every_step or urgent):
+            self._stream.synchronize()  # an urgent batch then starts on an idle card
+        if not urgent:
             return
-        if self._stream is not None:
-            self._stream.synchronize()  # (again: cheap) the urgent batch gets an idle card
         ask = _UrgentRequest()
         try:
             asyncio.run_coroutine_threadsafe(self._take_urgent(ask), self._loop_ref)
@@ -315,12 +322,9 @@ class FlowEngine:
         try:
             if self._stopping:
                 return  # stop() fails the waiting calls; none may slip into a batch now
-            for call in self.scheduler.drop_finished(time.monotonic()):
-                metrics.DROPPED.labels("deadline").inc()
-                self._fail(call, DeadlineExceeded("deadline passed while waiting for a batch"))
+            self._drop_finished(time.monotonic())
             plan = self.scheduler.schedule(first_chunks_only=True)
-            self._first_waiting = self.scheduler.num_first_chunks_waiting
-            metrics.QUEUE_DEPTH.set(len(self.scheduler))
+            self._queue_changed()
             if plan is not None:
                 plan.urgent = True
                 self.num_preemptions += 1
