@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 
 from gateway.app import build_parser, create_server
+from token2wav.cli import run_main
 from token2wav.server import setup_logging
 
 
@@ -21,12 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             await close()
 
-    try:
-        asyncio.run(run())
-    except Exception:  # noqa: BLE001
-        logging.getLogger("gateway").exception("gateway failed")
-        return 1
-    return 0
+    return run_main("gateway", lambda: asyncio.run(run()))
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ class StreamPipeline:
             if self.ended:
                 raise InvalidArgument(kind or "message", "message after EndOfInput")
             if kind == "tokens":
-                ids = np.asarray(msg.tokens.tokens, np.int64)
+                ids = np.asarray(msg.tokens.tokens, np.uint64)  # uint64 on the wire
                 bad = np.flatnonzero(ids >= VOCAB_SIZE)
                 if bad.size:
                     i = int(bad[0])
@@ -139,7 +139,7 @@ class StreamPipeline:
                         "tokens",
                         f"more than {self.max_tokens} tokens: prompt + target would exceed 300 s",
                     )
-                self.tokens[self.num_tokens : self.num_tokens + ids.size] = ids
+                self.tokens[self.num_tokens : self.num_tokens + ids.size] = ids.astype(np.int64)
                 self.num_tokens += ids.size
             elif kind == "end":
                 self.ended = True

@@ -60,3 +60,10 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     if isinstance(exc, ValueError) and getattr(exc, "field", None):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     return None
+
+
+class StartupError(Exception):
+    """A start-up failure the user can fix (port taken, no CUDA, bad checkpoint, missing file).
+
+    Its message is one line that names the flag or the file; `token2wav.cli.run_main` prints it
+    without a traceback."""

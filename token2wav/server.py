@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import errno
 import logging
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram, start_http_server
 
-from token2wav.errors import status_for
+from token2wav.errors import StartupError, status_for
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,23 @@ def channel_options(max_message_mb: int = 64) -> list[tuple[str, int]]:
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ]
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be listened on, in words; None when it can. Probes the way grpc
+    binds (SO_REUSEADDR, so a port in TIME_WAIT is free), so a taken port is named before grpc
+    logs its own multi-line complaint."""
+    addr = host.strip("[]")
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((addr, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return f"{host}:{port} is already in use (another process listens there)"
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
 
 
 class RequestIdFilter(logging.Filter):
@@ -183,7 +202,10 @@ class GrpcServer:
     async def start(self) -> int:
         opts = self.options
         self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor()], options=channel_options(opts.max_message_mb)
+            interceptors=[ErrorInterceptor()],
+            # No SO_REUSEPORT: with it a second server binds a taken port silently and the
+            # two split the connections; without it a taken port fails here, at start.
+            options=[*channel_options(opts.max_message_mb), ("grpc.so_reuseport", 0)],
         )
         self._register(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -196,12 +218,26 @@ class GrpcServer:
             self.server,
         )
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self.server.add_insecure_port(f"{opts.host}:{opts.port}")
+        problem = bind_problem(opts.host, opts.port) if opts.port else None
+        if problem is None:
+            try:
+                self.port = self.server.add_insecure_port(f"{opts.host}:{opts.port}")
+            except RuntimeError:  # grpc says only "Failed to bind"
+                self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind {opts.host}:{opts.port}")
+            problem = problem or bind_problem(opts.host, opts.port) or "cannot listen there"
+            raise StartupError(f"--port {opts.port}: {problem}")
         await self.server.start()
         if opts.metrics_port is not None:
-            self._metrics_httpd, _ = start_http_server(opts.metrics_port, addr=opts.host)
+            try:
+                self._metrics_httpd, _ = start_http_server(opts.metrics_port, addr=opts.host)
+            except OSError as exc:
+                await self.server.stop(None)
+                raise StartupError(
+                    f"--metrics-port {opts.metrics_port}: cannot listen on "
+                    f"{opts.host}:{opts.metrics_port}: {exc.strerror or exc} "
+                    "(another process has it? 0 turns metrics off)"
+                ) from None
             self.metrics_port = self._metrics_httpd.server_port
         logger.info(
             "listening on %s:%d (metrics %s)", opts.host, self.port, self.metrics_port or "off"

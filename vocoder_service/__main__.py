@@ -4,10 +4,9 @@ session per stream, batched across sessions. Every flag mirrors a VOCODER_* env 
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 
-from token2wav.cli import EnvParser, add_server_flags
+from token2wav.cli import EnvParser, add_server_flags, check_device, run_main
 from token2wav.server import ServerOptions, setup_logging
 from vocoder_service.config import (
     BatcherConfig,
@@ -78,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         server = VocoderServer(ServerOptions.from_args(args), VocoderService(config))
         await server.run(server.warmup)
 
-    try:
+    def body() -> None:
+        check_device(args.device)
         asyncio.run(run())
-    except Exception:  # noqa: BLE001 - report start-up failures (bad weights, port) plainly
-        logging.getLogger("vocoder_service").exception("vocoder service failed")
-        return 1
-    return 0
+
+    # start-up failures (port taken, no CUDA, bad weights) end as one line; details at DEBUG
+    return run_main("vocoder_service", body)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from flow_service.model.config import (
     FlowConfig,
 )
 from flow_service.model.flow import FlowModel
+from token2wav.checkpoint import load_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +80,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         path = path / CHECKPOINT_NAME
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
-    try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # legacy (non-zip) serialisation cannot be memory-mapped
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad checkpoint
-        raise CheckpointError(f"{path}: cannot read checkpoint ({exc})") from exc
+    state = load_tensors(path, CheckpointError)
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise CheckpointError(f"{path}: not a state dict (got {type(state).__name__})")
     bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
