@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from gateway.client import load_voice, make_sample, run_synthesis
+from token2wav.cli import run_main
 from token2wav.healthcheck import check
+from token2wav.server import bind_problem
 
 SERVICES = [  # (module, port, metrics port)
     ("flow_service", 50052, 9102),
@@ -24,7 +26,19 @@ SERVICES = [  # (module, port, metrics port)
 ]
 
 
+def _exited(procs: list[subprocess.Popen]) -> str | None:
+    """Which of our services is no longer running, in words; None when all are."""
+    for (module, *_), proc in zip(SERVICES, procs):
+        if proc.poll() is not None:
+            return f"make run: {module} exited with status {proc.returncode}; see its log"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    return run_main("make run", lambda: _demo(argv))
+
+
+def _demo(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(prog="python -m gateway.demo", description=__doc__)
     p.add_argument("--out-dir", default="out", help="where the sample inputs and WAV go")
     p.add_argument("--device", default="cpu", help="device for flow and vocoder")
@@ -34,6 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out_dir)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    # Our own services must answer: a port already taken (an earlier `make run` still up,
+    # another program) would let the health checks below reach someone else's server.
+    for module, *ports in SERVICES:
+        for flag, port in zip(("--port", "--metrics-port"), ports):
+            problem = bind_problem("127.0.0.1", port)
+            if problem is not None:
+                print(
+                    f"make run: {module} {flag} {port}: {problem}; stop it first", file=sys.stderr
+                )
+                return 1
     procs: list[subprocess.Popen] = []
     try:
         for module, port, mport in SERVICES:
@@ -54,13 +78,20 @@ def main(argv: list[str] | None = None) -> int:
         for (module, port, _), proc in zip(SERVICES, procs):
             while not check(f"127.0.0.1:{port}", timeout=1.0):
                 if proc.poll() is not None:
-                    print(f"{module} exited with {proc.returncode}; see its log", file=sys.stderr)
+                    log_path = logs / f"{module}.log"
+                    last = (log_path.read_text().strip().splitlines() or [""])[-1]
+                    print(
+                        f"make run: {module} exited with {proc.returncode}: {last}", file=sys.stderr
+                    )
                     return 1
                 if time.monotonic() > deadline:
                     print(f"{module} not healthy after {a.startup_timeout:.0f} s", file=sys.stderr)
                     return 1
                 time.sleep(0.2)
             print(f"{module} SERVING")
+        if dead := _exited(procs):
+            print(dead, file=sys.stderr)
+            return 1
         voice_path, tokens_path = make_sample(out / "sample")
         voice, tokens = load_voice(voice_path), np.load(tokens_path).astype(np.int64)
         wav = out / "sample.wav"
@@ -69,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{voice.num_prompt_tokens}-token prompt through the gateway ..."
         )
         r = run_synthesis("127.0.0.1:50051", voice, tokens, str(wav), pace=a.pace)
+        if dead := _exited(procs):  # the audio came from somewhere else: not a success
+            print(dead, file=sys.stderr)
+            return 1
         print(f"wrote {wav}: {r['audio_seconds']:.2f} s of 24 kHz audio in {r['chunks']} chunks")
         print(f"first-chunk latency: {r['first_chunk_ms']:.0f} ms")
         print(f"real-time factor:    {r['rtf']:.3f} ({r['xrt']:.1f}x faster than real time)")

@@ -238,3 +238,34 @@ def test_run_main_reports_unexpected_errors_with_their_type(capsys):
     err = capsys.readouterr().err
     assert err == "prog: error: KeyError: 'x' (--log-level debug shows the details)\n"
     assert run_main("prog", lambda: 3) == 3
+
+
+def test_make_run_refuses_a_taken_port_naming_it(tmp_path, monkeypatch, capsys):
+    from gateway import demo
+
+    with _taken_port() as sock:
+        port = sock.getsockname()[1]
+        # The vocoder's metrics port is taken: nothing may start, and the port is named.
+        monkeypatch.setattr(
+            demo, "SERVICES", [("flow_service", 0, 0), ("vocoder_service", 0, port)]
+        )
+        assert demo.main(["--out-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        f"make run: vocoder_service --metrics-port {port}: 127.0.0.1:{port} is already in use "
+        "(another process listens there); stop it first"
+    )
+    assert not (tmp_path / "logs" / "flow_service.log").exists()  # nothing was started
+
+
+def test_console_scripts_resolve_to_entry_points_with_help(capsys):
+    tomllib = pytest.importorskip("tomllib")
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {"token2wav", "token2wav-gateway", "token2wav-flow", "token2wav-vocoder"} <= set(scripts)
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        main = getattr(__import__(module, fromlist=[func]), func)
+        with pytest.raises(SystemExit) as info:
+            main(["--help"])
+        assert info.value.code == 0, name
+        assert "usage:" in capsys.readouterr().out, name

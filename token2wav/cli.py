@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import grpc
+
 from token2wav.errors import StartupError
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -94,6 +96,9 @@ def one_line(exc: BaseException) -> str:
     named when it is not a user-facing error, and a pointer to the rest when there is more."""
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
         return f"{exc.filename}: {exc.strerror}"
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):  # a call's status, as sent
+        details = ((exc.details() or "").strip().splitlines() or [""])[0]
+        return f"{exc.code().name}: {details}"
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
     text = lines[0].strip() if lines else ""
     # Checkpoint errors of both model packages are RuntimeErrors written for the user.
