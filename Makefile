@@ -54,8 +54,10 @@ clean:
 
 # Start the three services on loopback (small random-weight models, CPU), stream a sample
 # utterance through the gateway, write out/sample.wav, print latency and real-time factor.
+# RUN_ARGS: more flags for gateway.demo (--free-ports, --device cuda, --pace 25; see --help).
+RUN_ARGS ?=
 run: venv
-	$(PY) -m gateway.demo --out-dir out
+	$(PY) -m gateway.demo --out-dir out $(RUN_ARGS)
 
 # ---- Deployment: Dockerfile, docker-compose.yml, deploy/ (README "Deployment") ----
 .PHONY: compose-config compose-smoke compose-up compose-down k8s-validate image image-cuda \

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,9 +27,22 @@ SERVICES = [  # (module, port, metrics port)
 ]
 
 
-def _exited(procs: list[subprocess.Popen]) -> str | None:
+def _free_ports() -> list[tuple[str, int, int]]:
+    """SERVICES on ports the kernel says are free now (tests run `make run` beside others)."""
+    socks = [socket.socket() for _ in range(2 * len(SERVICES))]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        ports = [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+    return [(m, ports[2 * i], ports[2 * i + 1]) for i, (m, *_) in enumerate(SERVICES)]
+
+
+def _exited(services, procs: list[subprocess.Popen]) -> str | None:
     """Which of our services is no longer running, in words; None when all are."""
-    for (module, *_), proc in zip(SERVICES, procs):
+    for (module, *_), proc in zip(services, procs):
         if proc.poll() is not None:
             return f"make run: {module} exited with status {proc.returncode}; see its log"
     return None
@@ -44,13 +58,19 @@ def _demo(argv: list[str] | None) -> int:
     p.add_argument("--device", default="cpu", help="device for flow and vocoder")
     p.add_argument("--pace", type=float, default=0.0, help="tokens/s sent (0: all at once)")
     p.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to get healthy")
+    p.add_argument(
+        "--free-ports",
+        action="store_true",
+        help="use free ports instead of the defaults (50051-50053, metrics 9101-9103)",
+    )
     a = p.parse_args(argv)
+    services = _free_ports() if a.free_ports else SERVICES
     out = Path(a.out_dir)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     # Our own services must answer: a port already taken (an earlier `make run` still up,
     # another program) would let the health checks below reach someone else's server.
-    for module, *ports in SERVICES:
+    for module, *ports in services:
         for flag, port in zip(("--port", "--metrics-port"), ports):
             problem = bind_problem("127.0.0.1", port)
             if problem is not None:
@@ -60,10 +80,14 @@ def _demo(argv: list[str] | None) -> int:
                 return 1
     procs: list[subprocess.Popen] = []
     try:
-        for module, port, mport in SERVICES:
+        for module, port, mport in services:
             cmd = [sys.executable, "-m", module, "--port", str(port), "--metrics-port", str(mport)]
             if module != "gateway":
                 cmd += ["--device", a.device]
+            else:  # the flow and vocoder started above, wherever they listen
+                ports = {m: p for m, p, _ in services}
+                cmd += ["--flow-addr", f"127.0.0.1:{ports['flow_service']}"]
+                cmd += ["--vocoder-addr", f"127.0.0.1:{ports['vocoder_service']}"]
             log = open(logs / f"{module}.log", "w")  # noqa: SIM115 - lives as long as the child
             procs.append(
                 subprocess.Popen(
@@ -75,7 +99,7 @@ def _demo(argv: list[str] | None) -> int:
             )
             print(f"started {module} on 127.0.0.1:{port} (log {logs / (module + '.log')})")
         deadline = time.monotonic() + a.startup_timeout
-        for (module, port, _), proc in zip(SERVICES, procs):
+        for (module, port, _), proc in zip(services, procs):
             while not check(f"127.0.0.1:{port}", timeout=1.0):
                 if proc.poll() is not None:
                     log_path = logs / f"{module}.log"
@@ -89,7 +113,7 @@ def _demo(argv: list[str] | None) -> int:
                     return 1
                 time.sleep(0.2)
             print(f"{module} SERVING")
-        if dead := _exited(procs):
+        if dead := _exited(services, procs):
             print(dead, file=sys.stderr)
             return 1
         voice_path, tokens_path = make_sample(out / "sample")
@@ -99,8 +123,8 @@ def _demo(argv: list[str] | None) -> int:
             f"synthesizing {len(tokens)} tokens ({len(tokens) / 25:.1f} s) with a "
             f"{voice.num_prompt_tokens}-token prompt through the gateway ..."
         )
-        r = run_synthesis("127.0.0.1:50051", voice, tokens, str(wav), pace=a.pace)
-        if dead := _exited(procs):  # the audio came from somewhere else: not a success
+        r = run_synthesis(f"127.0.0.1:{services[-1][1]}", voice, tokens, str(wav), pace=a.pace)
+        if dead := _exited(services, procs):  # the audio came from somewhere else: not a success
             print(dead, file=sys.stderr)
             return 1
         print(f"wrote {wav}: {r['audio_seconds']:.2f} s of 24 kHz audio in {r['chunks']} chunks")
