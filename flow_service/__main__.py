@@ -6,7 +6,7 @@ import asyncio
 import sys
 
 from flow_service.app import build_parser, create_server
-from token2wav.cli import check_device, run_main
+from token2wav.cli import check_device, check_ports, run_main
 from token2wav.server import setup_logging
 
 
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
             await engine.stop()
 
     def body() -> None:
+        check_ports(args)
         check_device(args.device)
         asyncio.run(run())
 

@@ -175,7 +175,8 @@ class AsyncStream:
             yield msg
 
     async def send(self, tokens: Iterable[int]) -> None:
-        """Queue token ids; a bad id raises InvalidArgument here, before anything is sent."""
+        """Queue token ids. A bad id raises InvalidArgument here and sends nothing; the stream
+        stays open (send good ids, or cancel())."""
         ids = _wire_ids(tokens)
         if ids:
             self._requests.put_nowait(
@@ -236,7 +237,8 @@ class Stream:
         self._call = stub.Synthesize(iter(self._requests.get, None), timeout=timeout)
 
     def send(self, tokens: Iterable[int]) -> None:
-        """Queue token ids; a bad id raises InvalidArgument here, before anything is sent."""
+        """Queue token ids. A bad id raises InvalidArgument here and sends nothing; the stream
+        stays open (send good ids, or cancel())."""
         ids = _wire_ids(tokens)
         if ids:
             self._requests.put(
@@ -286,6 +288,7 @@ class Client:
         self.stub.DeleteVoice(gateway_pb2.DeleteVoiceRequest(voice_id=voice_id))
 
     def synthesize(self, voice: VoiceData | str, tokens, **kw) -> np.ndarray:
+        tokens = token_ids(tokens)  # bad ids raise here, before a stream is opened
         stream = self.stream(voice, **kw)
         stream.send(tokens)
         stream.end()

@@ -197,6 +197,32 @@ def test_service_start_up_failure_is_one_line_and_debug_has_the_traceback(tmp_pa
     assert "Traceback" in loud.stderr and "StartupError" in loud.stderr
 
 
+def test_flow_service_bad_checkpoint_and_taken_port_are_one_line(tmp_path):
+    (tmp_path / "flow.pt").write_bytes(b"not a checkpoint")
+    cmd = [sys.executable, "-m", "flow_service", "--model-dir", str(tmp_path), "--port", "0"]
+    with _taken_port() as sock:
+        port = sock.getsockname()[1]
+        taken = subprocess.run(
+            [*cmd, "--metrics-port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+    bad = subprocess.run(
+        [*cmd, "--metrics-port", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    # The port is checked before the weights load (minutes for the real ones).
+    assert taken.returncode == 1 and taken.stderr.splitlines() == [
+        f"flow_service: error: --metrics-port {port}: 127.0.0.1:{port} is already in use "
+        "(another process listens there)"
+    ]
+    assert bad.returncode == 1 and bad.stderr.splitlines() == [
+        f"flow_service: error: {tmp_path / 'flow.pt'}: not a torch checkpoint (corrupt, or "
+        "another format)"
+    ]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
 def test_cuda_device_without_cuda_is_one_line():
     with pytest.raises(StartupError, match=r"^--device cuda: ") as info:

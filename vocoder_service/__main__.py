@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from token2wav.cli import EnvParser, add_server_flags, check_device, run_main
+from token2wav.cli import EnvParser, add_server_flags, check_device, check_ports, run_main
 from token2wav.server import ServerOptions, setup_logging
 from vocoder_service.config import (
     BatcherConfig,
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         await server.run(server.warmup)
 
     def body() -> None:
+        check_ports(args)
         check_device(args.device)
         asyncio.run(run())
 
