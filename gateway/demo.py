@@ -13,9 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-from gateway.client import load_voice, make_sample, run_synthesis
+from gateway.client import load_tokens, load_voice, make_sample, run_synthesis
 from token2wav.cli import run_main
 from token2wav.healthcheck import check
 from token2wav.server import bind_problem
@@ -117,7 +115,7 @@ def _demo(argv: list[str] | None) -> int:
             print(dead, file=sys.stderr)
             return 1
         voice_path, tokens_path = make_sample(out / "sample")
-        voice, tokens = load_voice(voice_path), np.load(tokens_path).astype(np.int64)
+        voice, tokens = load_voice(voice_path), load_tokens(tokens_path)
         wav = out / "sample.wav"
         print(
             f"synthesizing {len(tokens)} tokens ({len(tokens) / 25:.1f} s) with a "
