@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from _frontend_fixtures import voiced_signal, wav_bytes, write_tiny_models
 
-from tests._frontend_fixtures import voiced_signal, wav_bytes, write_tiny_models
 from token2wav.frontend import (
     BadAudio,
     Frontend,
