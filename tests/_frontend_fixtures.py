@@ -12,7 +12,7 @@ import numpy as np
 from token2wav.frontend.models import SPEAKER_FILE, TOKENIZER_FILE
 
 
-def write_tiny_models(folder: Path) -> Path:
+def write_tiny_models(folder: Path, vocab: int = 6561, scale: float = 9973.0) -> Path:
     """speech_tokenizer_v3.onnx: feats float32 (1, 128, T), feats_length int32 (1,) -> indices
     int64 (1, ceil(len / 4)) in 0..6560 (a function of the features, like the real one at
     25 Hz). campplus.onnx: input float32 (1, T, 80) -> output float32 (1, 192)."""
@@ -43,8 +43,8 @@ def write_tiny_models(folder: Path) -> Path:
             c(np.array([0], np.int64), "zero"),
             c(np.array([1], np.int64), "one"),
             c(np.array([4], np.int64), "four"),
-            c(np.array(9973.0, np.float32), "scale"),
-            c(np.array(6561, np.int64), "vocab"),
+            c(np.array(scale, np.float32), "scale"),
+            c(np.array(vocab, np.int64), "vocab"),
         ],
     )
     onnx.save(

@@ -231,6 +231,7 @@ def test_bad_pcm_is_refused():
         (lambda: prompt_from_pcm(x.astype(np.int32), 16000), "dtype int32"),
         (lambda: prompt_from_pcm(np.where(np.arange(x.size) == 5, np.nan, x), 16000), "non-finite"),
         (lambda: prompt_from_pcm(x[None, None], 16000), "shape"),
+        (lambda: prompt_from_pcm(np.stack([x, x]), 16000), "16000 channels"),
     ]
     for call, problem in cases:
         with pytest.raises(BadAudio) as info:
@@ -289,3 +290,33 @@ def test_upstream_style_speaker_entry_imports_aligned(tmp_path):
     np.testing.assert_array_equal(voice.prompt_feat, entry["prompt_speech_feat"][0, :60].numpy())
     with pytest.raises(ValueError, match="speaker 'sft': no flow_prompt_speech_token"):
         load_speakers(path)
+
+
+def test_services_start_without_the_extra_and_the_front_end_names_it(tmp_path):
+    """With onnxruntime, kaldi-native-fbank and soundfile unimportable, the gateway still
+    builds and the client CLI still loads; the front end and the gateway's --frontend-dir say
+    which package is missing."""
+    write_tiny_models(tmp_path)
+    code = f"""
+import sys
+sys.modules.update(onnxruntime=None, kaldi_native_fbank=None, soundfile=None)
+from gateway.app import build_parser, create_server
+import gateway.client
+create_server(build_parser().parse_args([]))
+from token2wav.frontend import Frontend, FrontendUnavailable
+try:
+    Frontend.from_dir({str(tmp_path)!r})
+except FrontendUnavailable as exc:
+    print("FRONTEND:", exc)
+from gateway.__main__ import main
+main(["--frontend-dir", {str(tmp_path)!r}, "--metrics-port", "0"])
+"""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr  # argparse's error exit, at start-up
+    missing = "needs the Python packages onnxruntime, kaldi-native-fbank, soundfile"
+    assert f"FRONTEND: the voice front end {missing}" in r.stdout
+    assert "token2wav[frontend]" in r.stdout
+    assert "error: --frontend-dir: the voice front end needs" in r.stderr

@@ -129,6 +129,21 @@ async def test_audio_without_frontend_dir_names_the_flag(models):
         await stack.stop()
 
 
+async def test_wrong_model_folder_is_failed_precondition(models, tmp_path):
+    """A tokenizer that gives ids past 6560 is the deployment's problem, not the client's."""
+    stack = await start_stack(
+        models, "--frontend-dir", str(write_tiny_models(tmp_path, 10**9, 1e6))
+    )
+    try:
+        async with AsyncClient(stack.target) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await client.register_audio(audio_file=prompt_wav(seed=8))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "--frontend-dir: speech tokenizer gave id" in info.value.details()
+    finally:
+        await stack.stop()
+
+
 async def test_slow_frontend_call_does_not_delay_other_streams(models, model_dir, monkeypatch):
     """A front-end call held inside its worker thread (a gate, no sleeps) while another
     client's whole stream runs: the stream gets all its audio while the call is still held.

@@ -16,6 +16,7 @@ import numpy as np
 MIN_SAMPLE_RATE = 16000  # upstream's load_wav refuses to resample from below 16 kHz
 MAX_SAMPLE_RATE = 384000  # beyond any real recording; bounds the resampling kernel
 MAX_PROMPT_SECONDS = 30.0  # upstream's speech tokenizer refuses longer prompts
+MAX_CHANNELS = 32
 MIN_PROMPT_SECONDS = 0.5  # 12 prompt tokens; below this a prompt carries no usable voice
 SILENCE_PEAK = 1e-3  # -60 dBFS: a prompt whose loudest sample is below this is silence
 CONTAINERS = ("WAV", "WAVEX", "RF64", "FLAC", "OGG")  # libsndfile format names we accept
@@ -44,6 +45,27 @@ def require(module: str, package: str | None = None):
             f"the voice front end needs the Python package {package or module} ({_EXTRA_HINT}): "
             f"{exc}"
         ) from None
+
+
+EXTRA_PACKAGES = {  # module -> PyPI package of the `frontend` extra
+    "onnxruntime": "onnxruntime",
+    "kaldi_native_fbank": "kaldi-native-fbank",
+    "soundfile": "soundfile",
+}
+
+
+def require_all() -> None:
+    """Raise FrontendUnavailable listing every package of the extra that cannot be imported."""
+    missing = []
+    for module, package in EXTRA_PACKAGES.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(package)
+    if missing:
+        raise FrontendUnavailable(
+            f"the voice front end needs the Python packages {', '.join(missing)} ({_EXTRA_HINT})"
+        )
 
 
 @dataclass(frozen=True)
@@ -81,6 +103,8 @@ def prompt_from_pcm(samples, sample_rate: int, field: str = "audio") -> PromptAu
     x = np.asarray(samples)
     if x.ndim not in (1, 2) or x.size == 0:
         raise BadAudio(field, f"want (samples,) or (samples, channels) PCM, got shape {x.shape}")
+    if x.ndim == 2 and x.shape[1] > MAX_CHANNELS:
+        raise BadAudio(field, f"{x.shape[1]} channels; want (samples, channels) order")
     if x.dtype == np.int16:
         x = x.astype(np.float32) / 32768.0
     elif x.dtype.kind == "f":

@@ -18,7 +18,7 @@ from token2wav.frontend.audio import (
     PromptAudio,
     prompt_from_file,
     prompt_from_pcm,
-    require,
+    require_all,
 )
 from token2wav.frontend.models import (
     SPEAKER_FILE,
@@ -64,8 +64,7 @@ class Frontend:
     """Thread-safe: onnxruntime sessions may run concurrently, everything else is local."""
 
     def __init__(self, config: FrontendConfig):
-        require("kaldi_native_fbank", "kaldi-native-fbank")  # fail at start, not on first use
-        require("soundfile")
+        require_all()  # fail at start, naming every missing package, not on first use
         d = Path(config.model_dir)
         self.config = config
         self.tokenizer = SpeechTokenizer(d / TOKENIZER_FILE, config.num_threads)
