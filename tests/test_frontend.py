@@ -241,6 +241,8 @@ def test_bad_pcm_is_refused():
         (lambda: prompt_from_pcm(np.where(np.arange(x.size) == 5, np.nan, x), 16000), "non-finite"),
         (lambda: prompt_from_pcm(x[None, None], 16000), "shape"),
         (lambda: prompt_from_pcm(np.stack([x, x]), 16000), "16000 channels"),
+        (lambda: prompt_from_pcm(x, 44101), "no short resampling filter"),
+        (lambda: prompt_from_pcm(np.zeros((5_000_000, 4), np.float32), 192000), "too much audio"),
     ]
     for call, problem in cases:
         with pytest.raises(BadAudio) as info:

@@ -13,10 +13,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from token2wav.frontend.resample import MAX_KERNEL_ELEMENTS, kernel_elements
+
 MIN_SAMPLE_RATE = 16000  # upstream's load_wav refuses to resample from below 16 kHz
 MAX_SAMPLE_RATE = 384000  # beyond any real recording; bounds the resampling kernel
 MAX_PROMPT_SECONDS = 30.0  # upstream's speech tokenizer refuses longer prompts
 MAX_CHANNELS = 32
+MAX_DECODED_SAMPLES = 16_000_000  # frames x channels: 64 MB of float32 at most per recording
+TARGET_RATES = (24000, 16000)  # the front end resamples to both
 MIN_PROMPT_SECONDS = 0.5  # 12 prompt tokens; below this a prompt carries no usable voice
 SILENCE_PEAK = 1e-3  # -60 dBFS: a prompt whose loudest sample is below this is silence
 CONTAINERS = ("WAV", "WAVEX", "RF64", "FLAC", "OGG")  # libsndfile format names we accept
@@ -80,13 +84,25 @@ class PromptAudio:
         return self.samples.shape[0] / self.sample_rate
 
 
-def _check_rate_and_length(field: str, sample_rate: int, num_frames: int) -> None:
+def _check_rate_and_length(
+    field: str, sample_rate: int, num_frames: int, num_channels: int = 1
+) -> None:
     if sample_rate < MIN_SAMPLE_RATE:
         raise BadAudio(
             field, f"sample rate {sample_rate} Hz is below the {MIN_SAMPLE_RATE} Hz minimum"
         )
     if sample_rate > MAX_SAMPLE_RATE:
         raise BadAudio(field, f"sample rate {sample_rate} Hz is above {MAX_SAMPLE_RATE} Hz")
+    if any(kernel_elements(sample_rate, r) > MAX_KERNEL_ELEMENTS for r in TARGET_RATES):
+        raise BadAudio(
+            field,
+            f"sample rate {sample_rate} Hz has no short resampling filter to 24 and 16 kHz; "
+            "use a common rate (16000, 22050, 24000, 32000, 44100, 48000, 96000 Hz)",
+        )
+    if num_channels > MAX_CHANNELS:
+        raise BadAudio(field, f"{num_channels} channels (at most {MAX_CHANNELS})")
+    if num_frames * num_channels > MAX_DECODED_SAMPLES:
+        raise BadAudio(field, f"{num_frames} frames x {num_channels} channels is too much audio")
     seconds = num_frames / sample_rate
     if seconds > MAX_PROMPT_SECONDS:
         raise BadAudio(
@@ -113,7 +129,7 @@ def prompt_from_pcm(samples, sample_rate: int, field: str = "audio") -> PromptAu
         raise BadAudio(field, f"PCM dtype {x.dtype} not supported (want int16 or float32)")
     if not int(sample_rate) > 0:
         raise BadAudio(f"{field}.sample_rate", "required (Hz)")
-    _check_rate_and_length(field, int(sample_rate), x.shape[0])
+    _check_rate_and_length(field, int(sample_rate), x.shape[0], x.shape[1] if x.ndim == 2 else 1)
     if not np.isfinite(x).all():
         raise BadAudio(field, "non-finite sample")
     mono = x.mean(axis=1) if x.ndim == 2 else x  # upstream: mean over channels
@@ -135,7 +151,7 @@ def prompt_from_file(data: bytes, field: str = "audio") -> PromptAudio:
     if info.format not in CONTAINERS:
         raise BadAudio(field, f"container {info.format} is not supported (want WAV, FLAC or OGG)")
     # Refuse by the header before decoding, so a long file costs no memory.
-    _check_rate_and_length(field, int(info.samplerate), int(info.frames))
+    _check_rate_and_length(field, int(info.samplerate), int(info.frames), int(info.channels))
     try:
         x, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except Exception as exc:  # noqa: BLE001

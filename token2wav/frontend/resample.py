@@ -26,6 +26,20 @@ ZERO_CROSSINGS = 6  # torchaudio's lowpass_filter_width default
 ROLLOFF = 0.99
 
 
+MAX_KERNEL_ELEMENTS = 1 << 20  # 4 MiB of filters; common rates need under 20k
+
+
+def kernel_elements(orig_rate: int, new_rate: int) -> int:
+    """Size of the filter bank `resample` would build (0 when no resampling is needed). Rates
+    with a small gcd (44101 Hz) need huge banks and matching compute; callers refuse them."""
+    if orig_rate == new_rate:
+        return 0
+    g = math.gcd(orig_rate, new_rate)
+    orig, new = orig_rate // g, new_rate // g
+    width = math.ceil(ZERO_CROSSINGS * orig / (min(orig, new) * ROLLOFF))
+    return new * (2 * width + orig)
+
+
 @lru_cache(maxsize=16)
 def sinc_kernel(orig: int, new: int) -> tuple[torch.Tensor, int]:
     """The (new, 1, 2 * width + orig) float32 filters for reduced rates, and width."""
