@@ -124,7 +124,10 @@ def test_kaldi_fbank_matches_hand_computed_frames():
     ref = _kaldi_fbank_by_hand(x)
     assert ours.shape == ref.shape == (1 + (x.size - 400) // 160, 80)
     assert np.abs(ours.mean(axis=0)).max() < 1e-4  # mean-normalised over time
-    assert np.abs(ours - ref).max() < 2e-3
+    # float32 (kaldi-native-fbank) against float64: worst in the two lowest bins, which hold
+    # only a few FFT bins of little energy; everywhere else near 1e-6.
+    assert np.abs(ours - ref).max() < 1e-3
+    assert np.median(np.abs(ours - ref)) < 1e-5
 
 
 def _resample_direct(x: np.ndarray, orig_rate: int, new_rate: int) -> np.ndarray:
