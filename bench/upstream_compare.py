@@ -506,6 +506,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flow-depth", type=int, default=2, help="DiT layers at full width")
     p.add_argument("--prompt-tokens", type=int, default=None, help="default 75 (quick 30)")
     p.add_argument("--utterance-tokens", type=int, default=None, help="default 250 (quick 60)")
+    p.add_argument(
+        "--tf32",
+        default="default",
+        choices=["default", "on", "off"],
+        help="CUDA TF32 for matmuls and cuDNN convs: PyTorch's defaults (cuDNN on, matmul off; "
+        "as both stacks run as shipped), or forced on/off for both",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: torch's default")
     p.add_argument(
         "--json", default=None, help="write rows here (default $OUT/upstream_compare.json)"
@@ -521,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--sections {a.sections!r}: want hift and/or stream")
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.tf32 != "default":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = a.tf32 == "on"
     logging.basicConfig(level=logging.WARNING)
 
     up = import_upstream(a.upstream)
@@ -534,7 +543,11 @@ def main(argv: list[str] | None = None) -> int:
             run_flow(up, a, rows, Path(tmp))
     elapsed = time.perf_counter() - started
     device_name = torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "cpu"
-    print(f"\n{device_name}, torch {torch.__version__}, {elapsed:.0f} s\n")
+    tf32 = {
+        "matmul": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn": torch.backends.cudnn.allow_tf32,
+    }
+    print(f"\n{device_name}, torch {torch.__version__}, tf32 {tf32}, {elapsed:.0f} s\n")
     print(markdown(rows))
     out = a.json or (
         os.path.join(os.environ["OUT"], "upstream_compare.json") if os.environ.get("OUT") else None
@@ -544,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
             "argv": sys.argv,
             "device": device_name,
             "torch": torch.__version__,
+            "tf32": tf32,
             "elapsed_s": elapsed,
         }
         Path(out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
