@@ -24,8 +24,14 @@ hyperpyyaml, lightning, diffusers, the LLM classes) are stubbed. Needs x_transfo
 einx, loguru, frozendict, einops), scipy and numpy importable; torchaudio is stubbed if absent
 (the DiT imports it for a training-only mel module).
 
-    PYTHONPATH=. python bench/upstream_compare.py --upstream .upstream --device cpu --quick
-    PYTHONPATH=. python bench/upstream_compare.py --upstream .upstream --device cuda
+    # pure-python deps once (scipy too where it is missing), into a private directory:
+    pip download --no-deps -d .whl x-transformers==2.11.24 einx loguru frozendict einops
+    pip install --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=.:/tmp/site python bench/upstream_compare.py --upstream .upstream --device cpu --quick
+    PYTHONPATH=.:/tmp/site python bench/upstream_compare.py --upstream .upstream --device cuda
+
+Runs in about 10 s with --quick on one CPU thread; the full comparison runs upstream's HiFT on
+the CPU at 300 s (the reference of record), a few minutes.
 
 Prints a markdown table; writes upstream_compare.json to $OUT (or --json) when set.
 """
