@@ -45,9 +45,10 @@ def build_parser() -> EnvParser:
     p.flag(
         "--bf16-fp32-parts",
         type=bool,
-        default=True,
+        default=False,
         help="with --dtype bfloat16, keep the time MLP, AdaLN and output projections in float32 "
-        "(closer to float32; false casts every weight); no effect in float32",
+        "(+1.1 dB of mel, -6 %% throughput on an H200; default casts every weight); no effect "
+        "in float32",
     )
     p.flag(
         "--dtype",
