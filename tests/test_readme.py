@@ -9,6 +9,7 @@ marker. KIND says what the block needs:
 - `fresh-copy`: nothing else. `make test` is dry-run (`make -n test`: this test is part of it).
 - `client`: a running gateway; the test starts the three services (small random-weight models)
   on a free port and points the block's `127.0.0.1:50051` at it.
+- `skip (why)`: not run here (real model files, say); the marker says why.
 
 Installing the venv is what these runs leave out (minutes, and a network): `.venv` in the copy
 is the virtual environment running this test, with make's stamp saying it is installed, so
@@ -35,7 +36,7 @@ from token2wav import SAMPLE_RATE
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 MARKED = re.compile(r"<!-- readme-test: (\S+)[^>]*-->\n```sh\n(.*?)```", re.S)
-KINDS = ("fresh-copy", "client")
+KINDS = ("fresh-copy", "client", "skip")
 models = test_gateway.models  # the small models, loaded once per module (a fixture)
 
 
