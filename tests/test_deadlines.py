@@ -15,6 +15,18 @@ import numpy as np
 import pytest
 import torch
 
+# the gateway tests' loopback stack and helpers (tests/ is on sys.path under pytest)
+from test_gateway import (
+    END,
+    _call,
+    cfg_msg,
+    check_exactly_once,
+    run_stream,
+    start_stack,
+    stream_inputs,
+    tok,
+)
+
 from flow_service.app import build_parser, create_server
 from flow_service.costmodel import CostModel, CostPrior
 from flow_service.model import load_flow
@@ -25,6 +37,7 @@ from gateway.admission import (
     CapacityBoard,
     worst_lateness,
 )
+from gateway.client import AsyncClient
 from gateway.deadlines import (
     VOCODER_HOLDBACK_FRAMES,
     DeadlineConfig,
@@ -39,6 +52,7 @@ from token2wav.v1 import flow_pb2, flow_pb2_grpc
 from vocoder_service.chunks import Chunk as VocoderChunk
 from vocoder_service.config import SessionConfig
 from vocoder_service.manager import SessionManager
+from vocoder_service.model import load_hift
 
 torch.set_num_threads(1)
 
@@ -308,6 +322,11 @@ def flow_model():
     return load_flow(None, preset="small")
 
 
+@pytest.fixture(scope="module")
+def models(flow_model):
+    return flow_model, load_hift(None, preset="small")
+
+
 async def test_low_slack_call_overtakes_high_slack_queue_and_old_clients_work(flow_model):
     gated = GatedModel(flow_model)
     args = build_parser().parse_args(
@@ -367,3 +386,30 @@ async def test_low_slack_call_overtakes_high_slack_queue_and_old_clients_work(fl
         await channel.close()
         await server.drain()
         await engine.stop()
+
+
+# -- the gateway on loopback ------------------------------------------------------------------
+
+
+async def test_gateway_admission_refuses_at_once_and_admits_with_room(models):
+    from prometheus_client import REGISTRY
+
+    voice, tokens = stream_inputs(5, 20, 40)
+    refused = REGISTRY.get_sample_value("t2w_gateway_admission_refused_total") or 0.0
+    stack = await start_stack(models, "--admission=true", "--admission-capacity=1")
+    try:  # 1 frame/s: even one stream would be late
+        code, details = await _call(stack.target, [cfg_msg(voice), tok(tokens), END])
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "late by" in details
+        assert REGISTRY.get_sample_value("t2w_gateway_admission_refused_total") == refused + 1
+    finally:
+        await stack.stop()
+    # room enough; and a gateway that sends no deadlines (services schedule as before)
+    stack = await start_stack(
+        models, "--admission=true", "--admission-capacity=1e9", "--deadlines=false"
+    )
+    try:
+        async with AsyncClient(stack.target) as client:
+            chunks = await run_stream(client, voice, tokens, seed=1)
+        check_exactly_once(chunks, len(tokens))
+    finally:
+        await stack.stop()
