@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -413,3 +414,60 @@ async def test_gateway_admission_refuses_at_once_and_admits_with_room(models):
         check_exactly_once(chunks, len(tokens))
     finally:
         await stack.stop()
+
+
+class HoldFirstStep(torch.nn.Module):
+    """The real model; the first batch holds after its first solver step until `gate` opens
+    (then the engine looks at the queue between steps, as it does after every step)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.decoder = inner.decoder
+        self.held = threading.Event()
+        self.gate = threading.Event()
+        self.batches: list[list[int]] = []  # token_offset of each request, per batch start
+
+    def generate(self, chunks, between_steps=None, **kw):
+        self.batches.append([c.token_offset for c in chunks])
+        first = len(self.batches) == 1
+
+        def step_done():
+            if first and not self.held.is_set():
+                self.held.set()
+                if not self.gate.wait(timeout=60):
+                    raise TimeoutError("test gate never opened")
+            if between_steps is not None:
+                between_steps()
+
+        return self.inner.generate(chunks, between_steps=step_done, **kw)
+
+
+async def test_engine_preempts_for_work_whose_slack_is_below_a_step(flow_model):
+    from flow_service.app import warmup_batch
+    from flow_service.engine import FlowEngine
+    from flow_service.model import ChunkRequest
+
+    model = HoldFirstStep(flow_model)
+    engine = FlowEngine(model, BatchPolicy(max_wait_ms=0.0), cuda_graphs=False)
+    engine.start()
+    try:
+        base = warmup_batch(1, 200)[0]
+        later = ChunkRequest(base.voice, base.tokens, 10, finalize=False, streaming=True)
+        relaxed = ChunkRequest(base.voice, base.tokens, 20, finalize=False, streaming=True)
+        now = time.monotonic
+        running = asyncio.ensure_future(engine.submit(later, due=now() + 60))
+        await asyncio.to_thread(model.held.wait, 60)  # inside the first batch, after a step
+        urgent = asyncio.ensure_future(engine.submit(base, due=now()))  # due now: slack < 0
+        waits = asyncio.ensure_future(engine.submit(relaxed, due=now() + 60))
+        await asyncio.sleep(0)  # both submit() calls queue their call before they await
+        assert len(engine.scheduler) == 2
+        model.gate.set()
+        results = await asyncio.gather(running, urgent, waits)
+        # the due-now first chunk ran between the steps; the relaxed call after the batch
+        assert model.batches == [[10], [0], [20]]
+        assert engine.num_preemptions == 1
+        assert [r.mel.shape[0] for r in results] == [80, 80, 80]
+    finally:
+        model.gate.set()
+        await engine.stop()
