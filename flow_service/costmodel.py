@@ -1,11 +1,13 @@
 """How long a flow batch takes, learned online from the batches the engine runs.
 
-Batches are bucketed by (rows rounded up to a power of two, padded length rounded up to 100
-frames); each bucket keeps an exponentially weighted mean of measured seconds. A bucket never
-seen is estimated from a linear model, fixed overhead + padded frames / throughput, whose
-throughput is itself learned (EWMA over every batch, weighted by its size, so the large
-compute-bound batches dominate) and starts from a prior. Estimates are for a whole batch, all
-solver steps; `step_s` is one step of it.
+The shape of the cost is linear: fixed overhead + rows x padded length / throughput. Batches
+are bucketed by (rows rounded up to a power of two, padded length rounded up to 100 frames);
+each bucket keeps an exponentially weighted mean of measured / linear-prior seconds, so within
+a bucket the estimate still scales with rows x length, and across buckets it captures what the
+line misses (launch-bound small batches, CUDA graph buckets, attention's quadratic term). A
+bucket never seen uses the line with the learned throughput (EWMA over every batch, weighted by
+its size, so the large compute-bound batches dominate; it starts from the prior). Estimates
+are for a whole batch, all solver steps; `step_s` is one step of it.
 
 `capacity_frames_per_s` (padded frames of large batches per second) is what the replica
 reports to the gateway's admission control. Thread-safe enough by construction: one writer
@@ -41,7 +43,8 @@ class CostModel:
     def __init__(self, num_steps: int, prior: CostPrior = CostPrior()):
         self.num_steps = max(1, num_steps)
         self.prior = prior
-        self._buckets: dict[tuple[int, int], float] = {}  # (rows bucket, frames bucket) -> s
+        # (rows bucket, frames bucket) -> EWMA of measured / _line(rows, frames, prior rate)
+        self._buckets: dict[tuple[int, int], float] = {}
         self._rate = prior.frames_per_s  # padded frames / s, size-weighted EWMA
         self._rate_weight = 0.0
         self.num_observed = 0
@@ -50,12 +53,15 @@ class CostModel:
         fb = self.prior.frame_bucket
         return 1 << max(0, rows - 1).bit_length(), -(-max(1, padded_len) // fb) * fb
 
+    def _line(self, rows: int, padded_len: int, rate: float) -> float:
+        return self.prior.overhead_s + rows * padded_len / rate
+
     def estimate(self, rows: int, padded_len: int) -> float:
         """Seconds for a batch of `rows` requests padded to `padded_len` frames."""
-        seen = self._buckets.get(self._key(rows, padded_len))
-        if seen is not None:
-            return seen
-        return self.prior.overhead_s + rows * padded_len / self._rate
+        ratio = self._buckets.get(self._key(rows, padded_len))
+        if ratio is not None:
+            return ratio * self._line(rows, padded_len, self.prior.frames_per_s)
+        return self._line(rows, padded_len, self._rate)
 
     def step_s(self, rows: int, padded_len: int) -> float:
         return self.estimate(rows, padded_len) / self.num_steps
@@ -65,8 +71,9 @@ class CostModel:
             return
         a = self.prior.alpha
         key = self._key(rows, padded_len)
+        ratio = seconds / self._line(rows, padded_len, self.prior.frames_per_s)
         old = self._buckets.get(key)
-        self._buckets[key] = seconds if old is None else (1 - a) * old + a * seconds
+        self._buckets[key] = ratio if old is None else (1 - a) * old + a * ratio
         # Throughput without the fixed overhead, weighted by the batch's frames: large
         # batches say what the card does; small ones are launch-bound and say little.
         frames = rows * padded_len

@@ -176,8 +176,10 @@ def test_cost_model_learns_buckets_and_capacity():
     assert m.estimate(2, 100) == pytest.approx(0.01 + 0.2)
     for _ in range(50):
         m.observe(64, 600, 2.0)  # 38400 frames in 2 s
-    assert m.estimate(60, 600) == pytest.approx(2.0)  # same bucket (64 rows, 600 frames)
+    assert m.estimate(64, 600) == pytest.approx(2.0)
     assert m.step_s(64, 600) == pytest.approx(0.2)
+    # same bucket (64 rows, 600 frames): scaled along the line, 0.01 + 36000 / 1000 = 36.01
+    assert m.estimate(60, 600) == pytest.approx(2.0 * 36.01 / 38.41)
     assert 15000 < m.capacity_frames_per_s < 20000  # ~38400 / (2 - 0.01)
 
 
