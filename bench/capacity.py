@@ -11,6 +11,8 @@ Definitions (docs/BENCHMARKS.md, "Real-time capacity"):
                       --start-rate until a probe fails, then bisecting (geometric mean) between
                       the last pass and the first fail --refine times. Concurrent streams at
                       capacity by Little's law: rate x mean stream duration.
+  baseline            the closed loop once more through a third gateway that sends no
+                      deadlines, so the services schedule as before them (the A/B).
   overload            Poisson arrivals at --overload-factor x capacity for --overload-duration s
                       through a second gateway with admission control on (same flow and vocoder
                       services): the share of admitted streams on time, refusals' latency, and
@@ -34,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.metrics import STACK_TOLERANCE_S, percentiles
-from bench.report import environment, write_run
+from bench.report import environment, run_name
 from bench.stack import Stack, StackConfig, free_port
 from bench.sweep import RunSpec, Sweep, SweepConfig, Target, one_line
 from bench.workload import WorkloadConfig
@@ -210,18 +212,21 @@ def render(result: dict) -> str:
         "",
     ]
     if result.get("closed"):
-        c = result["closed"]
         lines += [
-            "## Closed loop",
+            "## Closed loop (one utterance per stream, all starting together)",
             "",
-            "| streams | xRT | first chunk p50 / p95 ms | stack-stalled streams | "
+            "| gateway | streams | xRT | first chunk p50 / p95 ms | stack-stalled streams | "
             "excess buffer p95 ms | errors |",
-            "|---|---|---|---|---|---|",
-            f"| {c['concurrency']} | {_fmt(c['xrt'])} | {_fmt(c['first_p50'], '.0f')} / "
-            f"{_fmt(c['first_p95'], '.0f')} | {c['stack_streams']} of {c['streams']} | "
-            f"{_fmt(c['excess_p95'], '.0f')} | {c['errors'] or '-'} |",
-            "",
+            "|---|---|---|---|---|---|---|",
         ]
+        for c in result["closed"]:
+            lines.append(
+                f"| {c['gateway']} | {c['concurrency']} | {_fmt(c['xrt'])} | "
+                f"{_fmt(c['first_p50'], '.0f')} / {_fmt(c['first_p95'], '.0f')} | "
+                f"{c['stack_streams']} of {c['streams']} | {_fmt(c['excess_p95'], '.0f')} | "
+                f"{c['errors'] or '-'} |"
+            )
+        lines.append("")
     for key, search_result in result.get("capacity", {}).items():
         cap = search_result["capacity_rate"]
         lines += [
@@ -318,12 +323,15 @@ def elapsed_since(t0: float) -> float:
 
 
 class CapacityStack(Stack):
-    """One stack (batching on) plus a second gateway with admission control on, in front of
-    the same flow and vocoder services; every process exposes its metrics."""
+    """One stack (batching on) plus two more gateways in front of the same flow and vocoder
+    services: one with admission control on (the overload run), one that sends no deadlines
+    (the services then schedule as before deadlines: the A/B baseline of the closed loop).
+    Every process exposes its metrics."""
 
     def __init__(self, config: StackConfig, log_dir: Path, admission_args: tuple[str, ...]):
         super().__init__(config, log_dir, name="capacity")
         self.ports["gateway.1"] = free_port()
+        self.ports["gateway.2"] = free_port()
         self.metrics_ports = {name: free_port() for name in self.ports}
         self.admission_args = admission_args
 
@@ -332,11 +340,16 @@ class CapacityStack(Stack):
         for name, cmd in cmds.items():
             cmd += ["--metrics-port", str(self.metrics_ports[name])]  # the last value wins
         cmds["gateway.1"] += ["--admission=true", *self.admission_args]
+        cmds["gateway.2"] += ["--deadlines=false"]
         return cmds
 
     @property
     def admission_target(self) -> str:
         return f"127.0.0.1:{self.ports['gateway.1']}"
+
+    @property
+    def no_deadline_target(self) -> str:
+        return f"127.0.0.1:{self.ports['gateway.2']}"
 
     def gauges_ports(self) -> dict[str, int]:
         """Module -> metrics port of the processes whose idle gauges count (the admission
@@ -404,7 +417,11 @@ def run(a, argv: list[str]) -> dict:
         stack.stop()
         raise
     log(f"SERVING after {time.monotonic() - t_start:.1f} s")
-    targets = {"on": Target(stack.target, stack), "admit": Target(stack.admission_target, stack)}
+    targets = {
+        "on": Target(stack.target, stack),
+        "admit": Target(stack.admission_target, stack),
+        "nodeadline": Target(stack.no_deadline_target, stack),
+    }
     sweep_cfg = SweepConfig(
         labels=("on",),
         concurrency=(),
@@ -413,6 +430,7 @@ def run(a, argv: list[str]) -> dict:
         drain_timeout_s=a.drain_timeout,
     )
     sweep = Sweep(sweep_cfg, workload, targets, out / "runs", env, meta, a.quiet)
+    (out / "runs").mkdir(exist_ok=True)
     runs: list[dict] = []
 
     def one(spec: RunSpec, warm: bool) -> dict:
@@ -420,29 +438,36 @@ def run(a, argv: list[str]) -> dict:
         limit = max(30.0, min(a.drain_timeout + spec.duration_s + utt_s, left()))
         log(f"[{time.monotonic() - t_start:5.0f} s] {spec.describe()}")
         r = sweep.run_one(spec, limit)
-        write_run(out / "runs", r)
         runs.append(r)
+        pace = f"-pace{spec.pace:g}" if spec.pace > 0 else ""  # probes may share a rate
+        (out / "runs" / f"{len(runs):02d}-{run_name(r)}{pace}.json").write_text(json.dumps(r))
         log("    " + one_line(r))
         return r
 
     try:
         warm = True
-        if a.closed_concurrency:
-            c = a.closed_concurrency
-            r = one(RunSpec("closed", "on", c, 0.0, utterances_per_stream=1), warm)
+        c = a.closed_concurrency
+        labels = {"on": "deadlines", "nodeadline": "no deadlines (as before)"}
+        for label in ("on", "nodeadline") if a.closed_baseline else ("on",):
+            if not c:
+                break
+            r = one(RunSpec("closed", label, c, 0.0, utterances_per_stream=1), warm)
             warm = False
             m = r["metrics"]
             fc = m["first_chunk_ms"] or {}
-            result["closed"] = {
-                "concurrency": c,
-                "streams": m["num_streams"],
-                "xrt": m["xrt"],
-                "first_p50": fc.get("p50"),
-                "first_p95": fc.get("p95"),
-                "stack_streams": m["underruns"]["stack_streams"],
-                "excess_p95": (m["underruns"]["excess_buffer_ms"] or {}).get("p95"),
-                "errors": m["errors"],
-            }
+            result.setdefault("closed", []).append(
+                {
+                    "gateway": labels[label],
+                    "concurrency": c,
+                    "streams": m["num_streams"],
+                    "xrt": m["xrt"],
+                    "first_p50": fc.get("p50"),
+                    "first_p95": fc.get("p95"),
+                    "stack_streams": m["underruns"]["stack_streams"],
+                    "excess_p95": (m["underruns"]["excess_buffer_ms"] or {}).get("p95"),
+                    "errors": m["errors"],
+                }
+            )
             save()
         for pace in a.paces:
             input_s = a.utterance_tokens / pace if pace > 0 else 0.0

@@ -113,7 +113,8 @@ def build_parser() -> EnvParser:
         default=True,
         help="order calls that carry a playback deadline (slack_ms) by slack, refuse batch "
         "joins that would make a row late, preempt by slack; calls without one keep the "
-        "first-chunks-then-arrival order",
+        "first-chunks-then-arrival order (false: slack_ms is ignored, the order before "
+        "deadlines)",
     )
     p.flag(
         "--cost-prior-frames-per-s",

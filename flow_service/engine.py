@@ -164,7 +164,10 @@ class FlowEngine:
     async def submit(
         self, request: ChunkRequest, deadline: float = math.inf, due: float = math.inf
     ) -> FlowResult:
-        """`deadline`: the call fails past it; `due`: its playback deadline (soft, orders it)."""
+        """`deadline`: the call fails past it; `due`: its playback deadline (soft, orders it;
+        ignored with deadline scheduling off, so that the order is exactly the one before)."""
+        if not self.policy.deadline_scheduling:
+            due = math.inf
         call = PendingCall(
             num_seq_frames=request.num_seq_frames,
             num_out_frames=request.num_out_frames,
