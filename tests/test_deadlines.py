@@ -408,16 +408,30 @@ async def test_gateway_admission_refuses_at_once_and_admits_with_room(models):
         assert REGISTRY.get_sample_value("t2w_gateway_admission_refused_total") == refused + 1
     finally:
         await stack.stop()
-    # room enough; and a gateway that sends no deadlines (services schedule as before)
-    stack = await start_stack(
-        models, "--admission=true", "--admission-capacity=1e9", "--deadlines=false"
-    )
-    try:
-        async with AsyncClient(stack.target) as client:
-            chunks = await run_stream(client, voice, tokens, seed=1)
-        check_exactly_once(chunks, len(tokens))
-    finally:
-        await stack.stop()
+    # room enough: admitted, and each flow call carries its playback deadline; a gateway that
+    # sends no deadlines (services schedule as before) streams the same way
+    for flags, with_deadlines in (((), True), (("--deadlines=false",), False)):
+        stack = await start_stack(models, "--admission=true", "--admission-capacity=1e9", *flags)
+        slack = {}  # token_offset -> due - arrival at the flow engine, s
+        submit = stack.engine.submit
+
+        async def recording(request, deadline, due, submit=submit, slack=slack):
+            slack[request.token_offset] = due - time.monotonic()
+            return await submit(request, deadline, due)
+
+        stack.engine.submit = recording
+        try:
+            async with AsyncClient(stack.target) as client:
+                chunks = await run_stream(client, voice, tokens, seed=1)
+            check_exactly_once(chunks, len(tokens))
+        finally:
+            await stack.stop()
+        assert len(slack) == len(chunks)
+        if with_deadlines:  # first chunk: 150 ms target - 50 ms margin after its tokens
+            assert 0 < slack[0] <= 0.1
+            assert all(math.isfinite(v) for v in slack.values())
+        else:
+            assert all(v == math.inf for v in slack.values())
 
 
 class HoldFirstStep(torch.nn.Module):
