@@ -8,6 +8,7 @@ import argparse
 import numpy as np
 import torch
 
+from flow_service.costmodel import CostModel, CostPrior, num_solver_steps
 from flow_service.engine import FlowEngine
 from flow_service.model import FLOW_PRESETS, ChunkRequest, Voice, load_flow
 from flow_service.scheduler import BatchPolicy
@@ -107,6 +108,22 @@ def build_parser() -> EnvParser:
         "run between the solver steps of a running batch of later chunks instead of after it",
     )
     p.flag(
+        "--deadline-scheduling",
+        type=bool,
+        default=True,
+        help="order calls that carry a playback deadline (slack_ms) by slack, refuse batch "
+        "joins that would make a row late, preempt by slack; calls without one keep the "
+        "first-chunks-then-arrival order (false: slack_ms is ignored, the order before "
+        "deadlines)",
+    )
+    p.flag(
+        "--cost-prior-frames-per-s",
+        type=float,
+        default=20000.0,
+        help="batch cost model's starting throughput (padded frames per second, all solver "
+        "steps) until batches are measured; ~20000 for bf16 on an H200",
+    )
+    p.flag(
         "--log-batches",
         type=bool,
         default=False,
@@ -123,7 +140,14 @@ def policy_from_args(args: argparse.Namespace) -> BatchPolicy:
         max_queue=args.max_queue,
         min_padding_efficiency=args.min_padding_efficiency,
         first_chunks_apart=args.preempt,
+        deadline_scheduling=args.deadline_scheduling,
     )
+
+
+def cost_prior_from_args(args: argparse.Namespace) -> CostPrior:
+    if args.cost_prior_frames_per_s <= 0:
+        raise ValueError("--cost-prior-frames-per-s: want > 0")
+    return CostPrior(frames_per_s=args.cost_prior_frames_per_s)
 
 
 def warmup_batch(batch: int, num_frames: int) -> list[ChunkRequest]:
@@ -167,6 +191,7 @@ def create_server(args: argparse.Namespace, model=None):
         cuda_graphs=args.cuda_graphs,
         graph_max_batch=args.graph_max_batch,
         preempt=args.preempt,
+        cost=CostModel(num_solver_steps(model), cost_prior_from_args(args)),
     )
     voices = VoiceCache(args.max_voices)
     servicer = FlowServicer(engine, voices)
