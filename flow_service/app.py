@@ -8,8 +8,16 @@ import argparse
 import numpy as np
 import torch
 
+from flow_service import metrics
 from flow_service.engine import FlowEngine
-from flow_service.model import FLOW_PRESETS, ChunkRequest, Voice, load_flow
+from flow_service.model import (
+    FLOW_PRESETS,
+    ChunkRequest,
+    FlowModel,
+    PrefixCache,
+    Voice,
+    load_flow,
+)
 from flow_service.scheduler import BatchPolicy
 from flow_service.servicer import FlowServicer
 from flow_service.voices import VoiceCache
@@ -99,6 +107,20 @@ def build_parser() -> EnvParser:
         "run between the solver steps of a running batch of later chunks instead of after it",
     )
     p.flag(
+        "--prefix-cache-mb",
+        type=int,
+        default=-1,
+        help="prefix cache budget (MiB) for the per-step keys/values of streams' complete "
+        "earlier attention blocks, so a streaming call computes only its new frames (same mel); "
+        "-1: 40%% of the free device memory on CUDA, 1024 on CPU; 0: off",
+    )
+    p.flag(
+        "--prefix-cache-share-voices",
+        type=bool,
+        default=True,
+        help="share the cached blocks made only of prompt frames across the streams of a voice",
+    )
+    p.flag(
         "--log-batches",
         type=bool,
         default=False,
@@ -115,6 +137,28 @@ def policy_from_args(args: argparse.Namespace) -> BatchPolicy:
         max_queue=args.max_queue,
         min_padding_efficiency=args.min_padding_efficiency,
         first_chunks_apart=args.preempt,
+    )
+
+
+def prefix_cache_from_args(args: argparse.Namespace, model) -> PrefixCache | None:
+    mb = args.prefix_cache_mb
+    if mb < -1:
+        raise ValueError(f"--prefix-cache-mb: {mb}, want -1 (auto), 0 (off) or a MiB budget")
+    if mb == 0 or not isinstance(model, FlowModel):  # test doubles wrapping a model: none
+        return None
+    if mb == -1:
+        if model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(model.device)
+            budget = int(0.4 * free)
+        else:
+            budget = 1024 << 20
+    else:
+        budget = mb << 20
+    return PrefixCache.for_model(
+        model,
+        budget,
+        share_voice_blocks=args.prefix_cache_share_voices,
+        observe=metrics.observe_prefix_cache,
     )
 
 
@@ -155,6 +199,7 @@ def create_server(args: argparse.Namespace, model=None):
         cuda_graphs=args.cuda_graphs,
         graph_max_batch=args.graph_max_batch,
         preempt=args.preempt,
+        prefix_cache=prefix_cache_from_args(args, model),
     )
     voices = VoiceCache(args.max_voices)
     servicer = FlowServicer(engine, voices)

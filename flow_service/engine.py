@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from flow_service import metrics
-from flow_service.model import ChunkRequest, FlowModel
+from flow_service.model import ChunkRequest, FlowModel, PrefixCache
 from flow_service.scheduler import BatchPolicy, CallStatus, PendingCall, Plan, Scheduler
 from token2wav.errors import DeadlineExceeded, ServiceError, Unavailable
 
@@ -89,8 +89,12 @@ class FlowEngine:
         graph_max_batch: int = 8,
         graph_frame_multiple: int = 100,
         preempt: bool = True,
+        prefix_cache: PrefixCache | None = None,
     ):
         self.model = model
+        # Keys/values of streams' complete earlier blocks (eager batches only: a graphed batch
+        # is launch-bound, recomputing its prefix costs little there).
+        self.prefix_cache = prefix_cache
         self.policy = policy
         self.scheduler = Scheduler(policy)
         self.log_batches = log_batches
@@ -168,6 +172,8 @@ class FlowEngine:
         try:
             return await future
         except asyncio.CancelledError:
+            if self.prefix_cache is not None and request.cache_key:
+                self.prefix_cache.drop(request.cache_key)  # the stream is likely gone
             if call.status == CallStatus.WAITING:
                 call.status = CallStatus.CANCELLED  # the loop drops it before the next batch
                 metrics.DROPPED.labels("cancelled_waiting").inc()
@@ -229,8 +235,9 @@ class FlowEngine:
         return min((c.deadline for c in self.scheduler.waiting), default=math.inf)
 
     def _generate(self, requests: list[ChunkRequest], between_steps=None) -> list[torch.Tensor]:
+        cache = self.prefix_cache
         if self._stream is None:
-            return self.model.generate(requests, between_steps=between_steps)
+            return self.model.generate(requests, between_steps=between_steps, prefix_cache=cache)
         num = len(requests)
         with torch.cuda.stream(self._stream):
             if self._graphs is not None and num <= self.graph_max_batch:
@@ -245,7 +252,9 @@ class FlowEngine:
                     between_steps=between_steps,
                 )[:num]
             else:
-                outputs = self.model.generate(requests, between_steps=between_steps)
+                outputs = self.model.generate(
+                    requests, between_steps=between_steps, prefix_cache=cache
+                )
         self._stream.synchronize()
         return outputs
 

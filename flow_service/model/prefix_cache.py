@@ -12,8 +12,8 @@ stream, voice and solver schedule AND verified against the token ids its frames 
 mismatch is a miss, and a miss recomputes the same mel.
 
 Storage: a pool of fixed-size blocks (one 50-frame attention block: steps x layers x {K, V} x
-{cond, uncond} x 50 x d in the compute dtype), in up to `SLABS` lazily allocated slab tensors
-within the byte budget, with per-block reference counts. Entries (LRU) list their blocks; a
+{cond, uncond} x 50 x d in the compute dtype), in lazily allocated slab tensors (SLAB_BYTES
+each) within the byte budget, with per-block reference counts. Entries (LRU) list their blocks; a
 voice entry holds the blocks made only of prompt frames and shares them with the streams of
 that voice. Per entry it also keeps the Euler state x of every cached frame at every step
 (c channels, ~0.1 % of the K/V bytes): the conv position embedding of the first new frame
@@ -38,7 +38,10 @@ import torch
 from flow_service.model.dit import ragged_attention_bias
 from flow_service.model.requests import ChunkRequest
 
-SLABS = 4  # pool tensors; each (steps, layers, 2, blocks, 2, block, d). Few = few gathers.
+# Pool tensors of about this size, each (steps, layers, {K,V}, blocks, {cond,uncond}, block, d),
+# allocated when first needed (uninitialised: a block is fully written before it is read). Few
+# slabs = few gathers per layer; free blocks are handed out lowest id first to keep it so.
+SLAB_BYTES = 1 << 30
 
 
 def voice_fingerprint(req: ChunkRequest) -> bytes:
@@ -123,7 +126,7 @@ class PrefixCache:
         self.block_bytes = num_steps * depth * 2 * 2 * block_frames * dim * item
         self.frame_x_bytes = num_steps * mel_dim * item
         self.capacity = budget_bytes // self.block_bytes  # blocks
-        self.slab_blocks = max(1, -(-self.capacity // SLABS))
+        self.slab_blocks = max(1, min(self.capacity, SLAB_BYTES // self.block_bytes))
         self._slabs: list[torch.Tensor | None] = [None] * -(-self.capacity // self.slab_blocks)
         self._free = list(range(self.capacity))  # min-heap: fill low slabs first
         self._refs = [0] * self.capacity
@@ -180,7 +183,7 @@ class PrefixCache:
         if s is None:
             n = min(self.slab_blocks, self.capacity - index * self.slab_blocks)
             shape = (self.num_steps, self.depth, 2, n, 2, self.block, self.dim)
-            s = self._slabs[index] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            s = self._slabs[index] = torch.empty(shape, dtype=self.dtype, device=self.device)
         return s
 
     def locate(self, block_id: int) -> tuple[int, int]:
