@@ -240,11 +240,13 @@ class PrefixCache:
             for req in requests:
                 row = RowPlan()
                 rows.append(row)
+                fp = voice_fingerprint(req)
+                key = self._stream_key(req, fp)
+                if req.finalize:
+                    row.drop = key  # the stream's last call: its entry goes after the solve
                 if not req.streaming:
                     continue  # full attention: every frame sees the whole sequence
-                fp = voice_fingerprint(req)
                 ids = all_token_ids(req)
-                key = self._stream_key(req, fp)
                 vkey = self._voice_key(fp)
                 # Never past the first returned frame (a retried chunk recomputes its frames),
                 # never into the block the sequence ends in.
@@ -267,7 +269,6 @@ class PrefixCache:
                 elif limit > 0:
                     self._count("misses")
                 if req.finalize:
-                    row.drop = key
                     continue
                 # Blocks complete in this call whose mu read real tokens only: all of them for
                 # a non-final call (its lookahead tokens produce no frames).
