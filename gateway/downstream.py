@@ -100,7 +100,11 @@ class FlowClient:
         )
         voice_id = voice.voice_id
         last: grpc.aio.AioRpcError | None = None
-        order = await self.replicas.round_robin()
+        # One replica per stream: its prefix cache holds what the stream's earlier calls computed
+        if request_id:
+            order = await self.replicas.ranked(request_id)
+        else:
+            order = await self.replicas.round_robin()
         for attempt in range(self.max_attempts):
             addr = order[attempt % len(order)]
             stub = flow_pb2_grpc.FlowStub(self.replicas.channel(addr))
