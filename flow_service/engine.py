@@ -251,6 +251,10 @@ class FlowEngine:
                     frame_multiple=self.graph_frame_multiple,
                     between_steps=between_steps,
                 )[:num]
+                if cache is not None:  # graphed rows skip the cache; finished streams leave it
+                    for req in requests:
+                        if req.finalize and req.cache_key:
+                            cache.drop(req.cache_key)
             else:
                 outputs = self.model.generate(
                     requests, between_steps=between_steps, prefix_cache=cache
