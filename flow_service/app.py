@@ -121,6 +121,13 @@ def build_parser() -> EnvParser:
         help="share the cached blocks made only of prompt frames across the streams of a voice",
     )
     p.flag(
+        "--prefix-cache-evict-idle-s",
+        type=float,
+        default=5.0,
+        help="a full prefix cache evicts only entries unused for this long (streams that "
+        "went quiet); otherwise it stores no new blocks until room frees up",
+    )
+    p.flag(
         "--log-batches",
         type=bool,
         default=False,
@@ -144,6 +151,10 @@ def prefix_cache_from_args(args: argparse.Namespace, model) -> PrefixCache | Non
     mb = args.prefix_cache_mb
     if mb < -1:
         raise ValueError(f"--prefix-cache-mb: {mb}, want -1 (auto), 0 (off) or a MiB budget")
+    if args.prefix_cache_evict_idle_s < 0:
+        raise ValueError(
+            f"--prefix-cache-evict-idle-s: {args.prefix_cache_evict_idle_s}, want >= 0"
+        )
     if mb == 0 or not isinstance(model, FlowModel):  # test doubles wrapping a model: none
         return None
     if mb == -1:
@@ -158,6 +169,7 @@ def prefix_cache_from_args(args: argparse.Namespace, model) -> PrefixCache | Non
         model,
         budget,
         share_voice_blocks=args.prefix_cache_share_voices,
+        evict_idle_s=args.prefix_cache_evict_idle_s,
         observe=metrics.observe_prefix_cache,
     )
 

@@ -256,3 +256,26 @@ def test_gpu_fp32_and_bf16():
     ref32 = results[torch.float32][0]
     for w, g, r in zip(*results[torch.bfloat16], ref32, strict=True):
         assert float((g - w).abs().max()) <= float((w - r).abs().max())
+
+
+def test_full_cache_keeps_active_streams_and_evicts_idle_ones(model):
+    now = [0.0]
+    cache = new_cache(
+        model, budget_blocks=5, share_voice_blocks=False, evict_idle_s=10.0, clock=lambda: now[0]
+    )
+    a = stream_calls(make_voice(13, 35), "ia", 130, seed=70)
+    b = stream_calls(make_voice(14, 35), "ib", 130, seed=71)
+    model.generate([a[0]], prefix_cache=cache)  # 3 blocks
+    now[0] = 1.0
+    got = model.generate([b[0]], prefix_cache=cache)[0]  # 3 more do not fit: a is active
+    assert_close([got], [model.generate([b[0]])[0]])
+    assert cache.stats["evictions"] == 0 and cache.used_blocks == 5  # b stored 2 of its 3
+    now[0] = 2.0
+    got = model.generate([a[1]], prefix_cache=cache)[0]  # a still hits, stores nothing new
+    assert_close([got], [model.generate([a[1]])[0]])
+    assert cache.stats["hits"] == 1 and cache.stats["reused_frames"] == 150
+    assert cache.stats["evictions"] == 0 and cache.num_entries == 2
+    now[0] = 20.0  # a went quiet: b's next call (a hit on its 2 blocks) may take a's room
+    got = model.generate([b[1]], prefix_cache=cache)[0]
+    assert_close([got], [model.generate([b[1]])[0]])
+    assert cache.stats["evictions"] == 1 and cache.num_entries == 1 and cache.used_blocks == 5

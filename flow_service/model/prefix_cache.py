@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class _Entry:
     ids: torch.Tensor  # prompt + target token ids the cached frames depend on (CPU int64)
     xs: torch.Tensor  # (steps, frames, c) compute dtype: solver input x of each cached frame
     stream: bool  # False: a voice entry (prompt-only blocks)
+    used_at: float = 0.0  # clock() of the last lookup or store
 
 
 @dataclass
@@ -109,7 +111,9 @@ class PrefixCache:
         dtype: torch.dtype,
         device: torch.device | str,
         share_voice_blocks: bool = True,
+        evict_idle_s: float = 0.0,
         observe: Callable[[str, float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes: {budget_bytes} < 0")
@@ -121,6 +125,11 @@ class PrefixCache:
         self.dtype = dtype
         self.device = torch.device(device)
         self.share_voice_blocks = share_voice_blocks
+        # Only entries unused for this long are evicted to make room; otherwise a new block is
+        # not stored. With many long streams in flight, plain LRU would evict exactly the
+        # streams whose next call comes soonest (cyclic access) and nothing would ever hit.
+        self.evict_idle_s = evict_idle_s
+        self.clock = clock
         self._observe = observe or (lambda name, value: None)
         item = torch.empty((), dtype=dtype).element_size()
         self.block_bytes = num_steps * depth * 2 * 2 * block_frames * dim * item
@@ -200,10 +209,12 @@ class PrefixCache:
                 heapq.heappush(self._free, b)
 
     def _allocate(self, n: int, keep: set) -> list[int]:
-        """Up to n free blocks, evicting least recently used entries (not those in `keep`)."""
+        """Up to n free blocks, evicting least recently used entries idle for at least
+        `evict_idle_s` (not those in `keep`)."""
+        now = self.clock()
         for key in list(self._entries):
-            if len(self._free) >= n:
-                break
+            if len(self._free) >= n or now - self._entries[key].used_at < self.evict_idle_s:
+                break  # LRU order: every later entry was used more recently
             if key in keep:
                 continue
             self._decref(self._entries.pop(key).blocks)
@@ -263,6 +274,7 @@ class PrefixCache:
                     row.read = entry.blocks[:use]
                     row.xs = entry.xs[:, : row.prefix]
                     self._incref(row.read)
+                    entry.used_at = self.clock()
                     self._entries.move_to_end(key if kind == "hits" else vkey)
                     pinned_keys.add(key if kind == "hits" else vkey)
                     self._count(kind)
@@ -346,10 +358,11 @@ class PrefixCache:
     def _put(self, key, blocks, ids, xs, stream: bool) -> None:
         old = self._entries.get(key)
         if old is not None and len(old.blocks) >= len(blocks):
+            old.used_at = self.clock()
             self._entries.move_to_end(key)
             return  # another call of the stream got at least as far (same values)
         self._incref(blocks)
-        self._entries[key] = _Entry(list(blocks), ids, xs.contiguous(), stream)
+        self._entries[key] = _Entry(list(blocks), ids, xs.contiguous(), stream, self.clock())
         self._entries.move_to_end(key)
         if old is not None:
             self._decref(old.blocks)
