@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -55,6 +56,7 @@ def per_utterance(model, a, seconds: int) -> dict:
     )
     tokens = torch.from_numpy(make_tokens(a.seed, seconds, seconds * TOKEN_RATE))
     calls = list(requests_for(voice, tokens, a.prompt_tokens, f"utt-{seconds}"))
+    model.generate([calls[0]])  # lazy initialisation outside the timings
     cache = PrefixCache.for_model(model, a.part1_cache_mb << 20)
     off_frames = sum(c.num_seq_frames for c in calls)
     worst, peak = 0.0, 0
@@ -106,6 +108,9 @@ def generate_only(model, a, seconds: int, cache_on: bool, save) -> dict:
         *a.flow_arg,
     ]
     args = fsb.parse_args(flags)
+    gc.collect()  # the previous server's cache: its memory back before the auto budget is read
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
     rows = asyncio.run(fsb.run_mode(model, args, True, lambda row: None))
     row = dict(rows[-1], cache="on" if cache_on else "off", seconds=seconds)
     save(row)
@@ -137,6 +142,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--part1-cache-mb", type=int, default=16384, help="cache budget, part 1")
     p.add_argument("--skip-generate", action="store_true", help="part 1 only")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="skip a Generate-only run whose estimated end is past this many seconds",
+    )
     p.add_argument("--flow-arg", action="append", default=[], metavar="FLAG")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("OUT") or ".", help="folder for the JSON")
@@ -164,7 +175,9 @@ def main(argv=None) -> dict:
         config={k: v for k, v in vars(a).items() if k != "out"},
         per_utterance=[],
         generate_only=[],
+        skipped=[],
     )
+    started = time.perf_counter()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -189,9 +202,20 @@ def main(argv=None) -> dict:
             result["generate_only"].append(row)
             write()
 
+        took: dict[int, float] = {}  # utterance seconds -> duration of its last run
         for seconds in a.seconds:
             for cache_on in (False, True):
+                # estimate from the same length, else scale the longest-known run linearly
+                known = took.get(seconds) or max(
+                    (t * seconds / s for s, t in took.items()), default=0.0
+                )
+                if time.perf_counter() - started + known > a.budget_s:
+                    result["skipped"].append(dict(seconds=seconds, cache=cache_on))
+                    print(f"skipped {seconds} s cache {cache_on}: over --budget-s", flush=True)
+                    continue
+                t0 = time.perf_counter()
                 generate_only(model, a, seconds, cache_on, save)
+                took[seconds] = time.perf_counter() - t0
     write()
     return result
 

@@ -394,46 +394,39 @@ class _KVAssembler:
     def __init__(self, cache: PrefixCache, plan: PrefixPlan, prefix, num_queries, num_keys, dev):
         b = len(plan.rows)
         blk, d = cache.block, cache.dim
+        q_max = int(num_queries.max())
         self.cache = cache
         self.step = 0
-        frame = torch.arange(blk)
-        reads: dict[int, tuple[list, list]] = {}
-        stores: dict[int, tuple[list, list]] = {}
-        new_src, new_dst = [], []
+        # Block placements per slab: (local block ids, flat row offset of each (block, CFG row)
+        # pair in the destination), row-major like the gathered (blocks, 2, blk, d) tensor.
+        reads: dict[int, tuple[list[int], list[int]]] = {}
+        stores: dict[int, tuple[list[int], list[int]]] = {}
         for i, row in enumerate(plan.rows):
-            for cfg in (0, 1):
-                r = i + cfg * b
-                q = int(num_queries[i])
-                new_src.append(r * int(num_queries.max()) + torch.arange(q))
-                new_dst.append(r * num_keys + int(prefix[i]) + torch.arange(q))
             for j, block_id in enumerate(row.read):
                 s, local = cache.locate(block_id)
-                src, dst = reads.setdefault(s, ([], []))
-                src.append(local)
-                base = torch.tensor([(i + c * b) * num_keys + j * blk for c in (0, 1)])
-                dst.append((base[:, None] + frame).flatten())
-            first = row.prefix // blk
+                ids, bases = reads.setdefault(s, ([], []))
+                ids.append(local)
+                bases += [(i + cfg * b) * num_keys + j * blk for cfg in (0, 1)]
             for j, block_id in enumerate(row.new):
                 s, local = cache.locate(block_id)
-                blocks, src = stores.setdefault(s, ([], []))
-                blocks.append(local)
-                q0 = (first + j) * blk - row.prefix
-                qmax = int(num_queries.max())
-                base = torch.tensor([(i + c * b) * qmax + q0 for c in (0, 1)])
-                src.append((base[:, None] + frame).flatten())
+                ids, bases = stores.setdefault(s, ([], []))
+                ids.append(local)
+                first_query = j * blk  # the new blocks start at the row's first query
+                bases += [(i + cfg * b) * q_max + first_query for cfg in (0, 1)]
+        frame = torch.arange(blk)
 
-        def index(values) -> torch.Tensor:
-            if not values:
-                return torch.empty(0, dtype=torch.long, device=dev)
-            return torch.cat(values).to(dev)
+        def placed(ids: list[int], bases: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = (torch.tensor(bases)[:, None] + frame).flatten()
+            return torch.tensor(ids, device=dev), rows.to(dev)
 
-        self.reads = [
-            (s, torch.tensor(src, device=dev), index(dst)) for s, (src, dst) in reads.items()
-        ]
-        self.stores = [
-            (s, torch.tensor(blocks, device=dev), index(src)) for s, (blocks, src) in stores.items()
-        ]
-        self.new_src, self.new_dst = index(new_src), index(new_dst)
+        self.reads = [(s, *placed(*v)) for s, v in reads.items()]
+        self.stores = [(s, *placed(*v)) for s, v in stores.items()]
+        # The new frames: query q of row r goes to key position prefix_r + q.
+        rows = torch.arange(2 * b)[:, None]
+        q = torch.arange(q_max)[None, :]
+        valid = q < num_queries.repeat(2)[:, None]
+        self.new_src = (rows * q_max + q)[valid].to(dev)
+        self.new_dst = (rows * num_keys + prefix.repeat(2)[:, None] + q)[valid].to(dev)
         shape = (2 * b, num_keys, d)
         self.bufs = [torch.zeros(shape, dtype=cache.dtype, device=dev) for _ in range(2)]
 
@@ -444,9 +437,9 @@ class _KVAssembler:
         blk, d = self.cache.block, self.cache.dim
         for kv, (new, buf) in enumerate(zip((k, v), self.bufs)):
             flat = buf.view(-1, d)
-            for s, src, dst in self.reads:
+            for s, blocks, dst in self.reads:
                 part = self.cache.slab(s)[self.step, layer, kv]  # (blocks, 2, blk, d)
-                flat.index_copy_(0, dst, part.index_select(0, src).view(-1, d))
+                flat.index_copy_(0, dst, part.index_select(0, blocks).view(-1, d))
             new_flat = new.reshape(-1, d)
             flat.index_copy_(0, self.new_dst, new_flat.index_select(0, self.new_src))
             for s, blocks, src in self.stores:
