@@ -236,9 +236,9 @@ def test_metrics_hook_and_budget_errors(model):
 
 
 @pytest.mark.gpu
-def test_gpu_fp32_and_bf16():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+def test_gpu_fp32_and_bf16(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     voice = make_voice(12, 75)
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
