@@ -73,9 +73,10 @@ class KnownVoices:
 
 
 class FlowClient:
-    def __init__(self, replicas: ReplicaSet, max_attempts: int = 3):
+    def __init__(self, replicas: ReplicaSet, max_attempts: int = 3, sticky: bool = True):
         self.replicas = replicas
         self.max_attempts = max_attempts
+        self.sticky = sticky  # a stream's calls to its rendezvous replica, else round robin
         self.known = KnownVoices()
 
     async def generate(
@@ -101,7 +102,7 @@ class FlowClient:
         voice_id = voice.voice_id
         last: grpc.aio.AioRpcError | None = None
         # One replica per stream: its prefix cache holds what the stream's earlier calls computed
-        if request_id:
+        if self.sticky and request_id:
             order = await self.replicas.ranked(request_id)
         else:
             order = await self.replicas.round_robin()
