@@ -128,6 +128,13 @@ def build_parser() -> EnvParser:
         "went quiet); otherwise it stores no new blocks until room frees up",
     )
     p.flag(
+        "--prefix-cache-order-streams",
+        type=bool,
+        default=True,
+        help="with the prefix cache, a stream's call waits for its earlier calls on this "
+        "replica (it reuses what they computed; its audio plays after theirs anyway)",
+    )
+    p.flag(
         "--log-batches",
         type=bool,
         default=False,
@@ -212,6 +219,7 @@ def create_server(args: argparse.Namespace, model=None):
         graph_max_batch=args.graph_max_batch,
         preempt=args.preempt,
         prefix_cache=prefix_cache_from_args(args, model),
+        order_streams=args.prefix_cache_order_streams,
     )
     voices = VoiceCache(args.max_voices)
     servicer = FlowServicer(engine, voices)

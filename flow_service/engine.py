@@ -90,11 +90,14 @@ class FlowEngine:
         graph_frame_multiple: int = 100,
         preempt: bool = True,
         prefix_cache: PrefixCache | None = None,
+        order_streams: bool = True,
     ):
         self.model = model
         # Keys/values of streams' complete earlier blocks (eager batches only: a graphed batch
         # is launch-bound, recomputing its prefix costs little there).
         self.prefix_cache = prefix_cache
+        self.order_streams = order_streams
+        self._chains: dict[str, list[tuple[int, asyncio.Event]]] = {}  # key -> calls in flight
         self.policy = policy
         self.scheduler = Scheduler(policy)
         self.log_batches = log_batches
@@ -156,6 +159,34 @@ class FlowEngine:
 
     # -- calls -------------------------------------------------------------------------------
     async def submit(self, request: ChunkRequest, deadline: float = math.inf) -> FlowResult:
+        """The mel of one call. With the prefix cache and `order_streams`, a call waits until
+        the calls of its stream with a smaller token_offset on this replica are done: it can
+        only reuse what they stored, and its audio plays after theirs anyway."""
+        key = request.cache_key if self.prefix_cache is not None and self.order_streams else ""
+        if not key:
+            return await self._submit_now(request, deadline)
+        chain = self._chains.setdefault(key, [])
+        earlier = [done for offset, done in chain if offset < request.token_offset]
+        mine = (request.token_offset, asyncio.Event())
+        chain.append(mine)
+        try:
+            if earlier:
+                left = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
+                try:
+                    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in earlier)), left)
+                except asyncio.TimeoutError:
+                    metrics.DROPPED.labels("deadline").inc()
+                    raise DeadlineExceeded(
+                        "deadline passed while the stream's earlier chunks ran"
+                    ) from None
+            return await self._submit_now(request, deadline)
+        finally:
+            mine[1].set()
+            chain.remove(mine)
+            if not chain:
+                del self._chains[key]
+
+    async def _submit_now(self, request: ChunkRequest, deadline: float) -> FlowResult:
         call = PendingCall(
             num_seq_frames=request.num_seq_frames,
             num_out_frames=request.num_out_frames,
