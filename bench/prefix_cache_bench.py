@@ -13,8 +13,9 @@ mel is from the recomputed one (max |diff| / max |mel|, per dtype).
 Part 2, Generate-only over gRPC (bench/flow_service_bench.py's closed loop) at --streams
 streams, cache off and then on, for each utterance length: frame-steps/s (upstream-equivalent:
 real sequence frames x steps, whatever was reused), audio s/s, the cache's hit rate, reused
-frame share, bytes and evictions. Each stream sends its next chunk when the previous one is
-back (--max-inflight 1 by default): a chunk can only reuse what an earlier batch stored.
+frame share, bytes and evictions. Each stream keeps up to --max-inflight (4, the gateway's
+default) of its calls in flight; with the cache on, the flow engine runs them in stream order
+(--prefix-cache-order-streams), with it off they run side by side, as deployed.
 
 Random weights (speed and exactness only). Writes $OUT/prefix_cache_bench.json (or --out).
 """
@@ -136,7 +137,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=75)
     p.add_argument("--streams", type=int, default=64, help="Generate-only concurrency")
     p.add_argument("--utterances", type=int, default=1, help="per stream, Generate-only")
-    p.add_argument("--max-inflight", type=int, default=1, help="calls in flight per stream")
+    p.add_argument("--max-inflight", type=int, default=4, help="calls in flight per stream")
     p.add_argument(
         "--cache-mb", type=int, default=-1, help="--prefix-cache-mb of the server (-1 auto)"
     )
