@@ -58,6 +58,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--label", default="external", help="name of the --target runs")
     g.add_argument("--device", default="cpu", help="torch device of flow and vocoder")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument(
+        "--vocoder-dtype",
+        default="",
+        choices=["", "float32", "bfloat16"],
+        help="the vocoder's dtype when it differs from --dtype (e.g. bf16 flow, fp32 HiFT)",
+    )
     g.add_argument("--preset", default="small", help="model preset (small, cosyvoice3-0.5b)")
     g.add_argument("--model-dir", default="", help="official flow.pt/hift.pt; empty: random")
     g.add_argument("--batching", type=_labels, default=("on", "off"), help="on, off or on,off")
@@ -173,7 +179,12 @@ def run_benchmark(
     env = environment(argv)
     specs = plan(cfg, workload.pace)
     # With --target these describe the external stack only as far as the flags say.
-    meta = {"dtype": a.dtype, "preset": a.preset, "device": a.device}
+    meta = {
+        "dtype": a.dtype,
+        "vocoder_dtype": a.vocoder_dtype or a.dtype,
+        "preset": a.preset,
+        "device": a.device,
+    }
     if not a.target:
         meta.update(flow_replicas=a.flow_replicas, vocoder_replicas=a.vocoder_replicas)
     if a.target:
@@ -184,6 +195,7 @@ def run_benchmark(
             StackConfig(
                 device=a.device,
                 dtype=a.dtype,
+                vocoder_dtype=a.vocoder_dtype,
                 preset=a.preset,
                 batching=label == "on",
                 model_dir=a.model_dir,

@@ -51,6 +51,13 @@ def build_parser() -> EnvParser:
     )
     p.flag("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
     p.flag(
+        "--bf16-fp32-parts",
+        type=bool,
+        default=True,
+        help="with --dtype bfloat16, keep the time MLP, AdaLN and output projections in float32 "
+        "(closer to float32; false casts every weight); no effect in float32",
+    )
+    p.flag(
         "--dtype",
         default="float32",
         choices=sorted(DTYPES),
@@ -209,7 +216,11 @@ def create_server(args: argparse.Namespace, model=None):
     """(server, engine, warmup coroutine factory); `model` overrides loading (tests)."""
     if model is None:
         model = load_flow(
-            args.model_dir or None, device=args.device, dtype=DTYPES[args.dtype], preset=args.preset
+            args.model_dir or None,
+            device=args.device,
+            dtype=DTYPES[args.dtype],
+            preset=args.preset,
+            fp32_sensitive=args.bf16_fp32_parts,
         )
     engine = FlowEngine(
         model,

@@ -8,7 +8,9 @@ from gateway.downstream import FlowClient
 from gateway.pipeline import PipelineLimits
 from gateway.routing import ReplicaSet
 from gateway.servicer import GatewayServicer, VoiceRegistry
+from gateway.voices import VoiceMaker
 from token2wav.cli import EnvParser, add_server_flags
+from token2wav.frontend.audio import FrontendUnavailable
 from token2wav.server import GrpcServer, ServerOptions
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -76,10 +78,38 @@ def build_parser() -> EnvParser:
         "robin per call (even spread when the flow replicas run without the prefix cache)",
     )
     p.flag("--max-voices", type=int, default=1024, help="registered voices kept (LRU)")
+    p.flag(
+        "--frontend-dir",
+        default=None,
+        help="folder with speech_tokenizer_v3.onnx and campplus.onnx (Fun-CosyVoice3-0.5B-2512): "
+        "RegisterVoice then also takes a prompt recording; needs pip install "
+        "'token2wav[frontend]'. Unset: audio is refused with FAILED_PRECONDITION",
+    )
+    p.flag(
+        "--frontend-workers",
+        type=int,
+        default=2,
+        help="threads making voices from audio, off the event loop",
+    )
+    p.flag(
+        "--frontend-max-pending",
+        type=int,
+        default=8,
+        help="recordings accepted at once (running or waiting); past it RESOURCE_EXHAUSTED",
+    )
     return p
 
 
-def create_server(args: argparse.Namespace):
+def load_voice_maker(args: argparse.Namespace) -> VoiceMaker | None:
+    """The front end if --frontend-dir is set; FrontendUnavailable says what is missing."""
+    if not args.frontend_dir:
+        return None
+    if args.frontend_workers < 1 or args.frontend_max_pending < 1:
+        raise FrontendUnavailable("--frontend-workers and --frontend-max-pending must be >= 1")
+    return VoiceMaker.from_dir(args.frontend_dir, args.frontend_workers, args.frontend_max_pending)
+
+
+def create_server(args: argparse.Namespace, voice_maker: VoiceMaker | None = None):
     routing = dict(
         refresh_s=args.resolve_interval,
         max_message_mb=args.max_message_mb,
@@ -88,12 +118,15 @@ def create_server(args: argparse.Namespace):
     flows = ReplicaSet(args.flow_addr, **routing)
     vocoders = ReplicaSet(args.vocoder_addr, **routing)
     limits = PipelineLimits(args.max_inflight_chunks, args.max_buffered_chunks, args.call_timeout)
+    if voice_maker is None:
+        voice_maker = load_voice_maker(args)
     servicer = GatewayServicer(
         FlowClient(flows, args.flow_attempts, sticky=args.flow_affinity == "stream"),
         vocoders,
         VoiceRegistry(args.max_voices),
         limits,
         args.max_streams,
+        voice_maker,
     )
     server = GrpcServer(
         ServerOptions.from_args(args),
@@ -104,5 +137,7 @@ def create_server(args: argparse.Namespace):
     async def close() -> None:
         await flows.close()
         await vocoders.close()
+        if voice_maker is not None:
+            voice_maker.close()
 
     return server, close

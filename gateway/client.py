@@ -11,7 +11,11 @@ Sync:
         audio = client.synthesize(voice, tokens)      # np.float32 at 24 kHz
 CLI:
     python -m gateway.client synthesize --voice v.npz --tokens t.npy --out out.wav
+    python -m gateway.client synthesize --audio prompt.wav --tokens t.npy --out out.wav
     python -m gateway.client make-sample --out-dir sample/
+    python -m gateway.client make-voice --audio prompt.wav --frontend-dir DIR --out voice.npz
+    python -m gateway.client import-speakers spk2info.pt --out-dir voices/
+    python -m gateway.client export-speakers --out spk2info.pt alice=voices/alice.npz
 """
 
 from __future__ import annotations
@@ -31,9 +35,15 @@ import grpc
 import numpy as np
 
 from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner, ScheduleConfig
+from gateway.voice_cli import (
+    VOICE_COMMANDS,
+    add_voice_commands,
+    run_voice_command,
+    voice_from_gateway,
+)
 from token2wav import SAMPLE_RATE, SAMPLES_PER_TOKEN
 from token2wav.server import channel_options
-from token2wav.tensors import VoiceData, make_voice
+from token2wav.tensors import INT_DTYPES, VoiceData, decode, decode_voice, encode, make_voice
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
 
 FORMATS = {"pcm16": gateway_pb2.AUDIO_FORMAT_PCM16, "float32": gateway_pb2.AUDIO_FORMAT_FLOAT32}
@@ -58,6 +68,35 @@ def load_voice(path: str | Path) -> VoiceData:
         return make_voice(
             data["prompt_token"], data["prompt_feat"], data["embedding"], field=Path(path).name
         )
+
+
+@dataclass
+class RegisteredVoice:
+    voice_id: str
+    prompt_token: np.ndarray  # [N] int32: the LLM's speech prompt
+    voice: VoiceData | None  # the voice the gateway made (None when you sent the arrays)
+
+
+def audio_request(
+    audio_file: bytes | None = None, pcm: np.ndarray | None = None, sample_rate: int = 0
+) -> gateway_pb2.RegisterVoiceRequest:
+    """RegisterVoice from a WAV/FLAC/OGG file's bytes, or PCM (int16 or float32, (n,) or
+    (n, channels)) with its sample rate."""
+    if (audio_file is None) == (pcm is None):
+        raise ValueError("give either audio_file bytes or pcm samples")
+    if audio_file is not None:
+        return gateway_pb2.RegisterVoiceRequest(audio_file=audio_file)
+    pcm = np.asarray(pcm)
+    if pcm.dtype != np.int16:
+        pcm = pcm.astype(np.float32)
+    samples = gateway_pb2.PcmAudio(samples=encode(pcm), sample_rate=int(sample_rate))
+    return gateway_pb2.RegisterVoiceRequest(audio_pcm=samples)
+
+
+def _registered(resp: gateway_pb2.RegisterVoiceResponse) -> RegisteredVoice:
+    tokens = decode(resp.prompt_token, "prompt_token", dtypes=INT_DTYPES, required=False)
+    voice = decode_voice(resp.voice) if resp.HasField("voice") else None
+    return RegisteredVoice(resp.voice_id, tokens.astype(np.int32), voice)
 
 
 def decode_audio(msg: gateway_pb2.SynthesizeResponse) -> np.ndarray:
@@ -145,6 +184,12 @@ class AsyncClient:
         )
         return resp.voice_id
 
+    async def register_audio(self, audio_file=None, pcm=None, sample_rate=0) -> RegisteredVoice:
+        """Have the gateway make a voice from a recording (see `audio_request`)."""
+        return _registered(
+            await self.stub.RegisterVoice(audio_request(audio_file, pcm, sample_rate))
+        )
+
     async def delete_voice(self, voice_id: str) -> None:
         await self.stub.DeleteVoice(gateway_pb2.DeleteVoiceRequest(voice_id=voice_id))
 
@@ -203,6 +248,9 @@ class Client:
         return self.stub.RegisterVoice(
             gateway_pb2.RegisterVoiceRequest(voice=voice.to_proto())
         ).voice_id
+
+    def register_audio(self, audio_file=None, pcm=None, sample_rate=0) -> RegisteredVoice:
+        return _registered(self.stub.RegisterVoice(audio_request(audio_file, pcm, sample_rate)))
 
     def delete_voice(self, voice_id: str) -> None:
         self.stub.DeleteVoice(gateway_pb2.DeleteVoiceRequest(voice_id=voice_id))
@@ -313,7 +361,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("synthesize", help="stream tokens through the gateway into a WAV file")
     s.add_argument("--target", default="127.0.0.1:50051", help="gateway HOST:PORT")
-    s.add_argument("--voice", required=True, help=".npz with prompt_token, prompt_feat, embedding")
+    which = s.add_mutually_exclusive_group(required=True)
+    which.add_argument("--voice", help=".npz with prompt_token, prompt_feat, embedding")
+    which.add_argument(
+        "--audio",
+        help="prompt recording (WAV/FLAC/OGG) the gateway makes the voice from "
+        "(it needs --frontend-dir)",
+    )
     s.add_argument("--tokens", required=True, help=".npy of speech token ids (int)")
     s.add_argument("--out", required=True, help="output WAV (24 kHz, 16-bit mono)")
     s.add_argument(
@@ -329,14 +383,17 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--prompt-tokens", type=int, default=75, help="prompt length (3 s = 75)")
     m.add_argument("--num-tokens", type=int, default=250, help="utterance length (10 s = 250)")
     m.add_argument("--seed", type=int, default=0, help="random seed")
+    add_voice_commands(sub)
     a = p.parse_args(argv)
+    if a.cmd in VOICE_COMMANDS:
+        return run_voice_command(a)
     if a.cmd == "make-sample":
         v, t = make_sample(a.out_dir, a.prompt_tokens, a.num_tokens, a.seed)
         print(f"wrote {v} and {t}")
         return 0
-    voice = load_voice(a.voice)
     tokens = np.load(a.tokens).astype(np.int64).reshape(-1)
     try:
+        voice = load_voice(a.voice) if a.voice else voice_from_gateway(a.target, a.audio)
         r = run_synthesis(a.target, voice, tokens, a.out, a.pace, a.format, not a.quiet)
     except grpc.RpcError as exc:
         print(f"synthesis failed: {exc.code().name}: {exc.details()}", file=sys.stderr)

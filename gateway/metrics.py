@@ -13,3 +13,14 @@ STREAM_SECONDS = Histogram(
     "t2w_gateway_stream_seconds", "Stream duration", buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300)
 )
 AUDIO_SECONDS = Counter("t2w_gateway_audio_seconds_total", "Audio seconds sent to clients")
+FRONTEND_PENDING = Gauge(
+    "t2w_gateway_frontend_pending", "Prompt recordings being made into voices or waiting to be"
+)
+FRONTEND_CALLS = Counter(
+    "t2w_gateway_frontend_calls_total", "RegisterVoice calls with audio, by outcome", ["outcome"]
+)
+FRONTEND_SECONDS = Histogram(
+    "t2w_gateway_frontend_seconds",
+    "Time to make a voice from audio (front-end work only, not the wait for a worker)",
+    buckets=(0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
+)

@@ -13,9 +13,10 @@ from gateway.downstream import FlowClient
 from gateway.pipeline import PipelineLimits, StreamPipeline, StreamSetup
 from gateway.routing import ReplicaSet
 from gateway.schedule import ScheduleConfig
+from gateway.voices import VoiceMaker, voice_from_request
 from token2wav.errors import InvalidArgument, NotFound, ResourceExhausted
 from token2wav.server import request_id_var
-from token2wav.tensors import VoiceData, decode_voice
+from token2wav.tensors import VoiceData, decode_voice, encode
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         voices: VoiceRegistry,
         limits: PipelineLimits,
         max_streams: int,
+        voice_maker: VoiceMaker | None = None,
     ):
+        self.voice_maker = voice_maker  # None: started without --frontend-dir
         self.flow = flow
         self.vocoders = vocoders
         self.voices = voices
@@ -120,9 +123,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             metrics.STREAM_SECONDS.observe(time.monotonic() - started)
 
     async def RegisterVoice(self, request, context):
-        voice = decode_voice(request.voice, "voice")
+        voice, from_audio = await voice_from_request(request, self.voice_maker)
         voice_id, created = self.voices.register(voice)
-        return gateway_pb2.RegisterVoiceResponse(voice_id=voice_id, created=created)
+        return gateway_pb2.RegisterVoiceResponse(
+            voice_id=voice_id,
+            created=created,
+            prompt_token=encode(voice.prompt_token.astype("int32")),
+            voice=voice.to_proto() if from_audio else None,
+        )
 
     async def DeleteVoice(self, request, context):
         self.voices.delete(request.voice_id)

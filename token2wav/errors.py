@@ -41,6 +41,12 @@ class ResourceExhausted(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class FailedPrecondition(ServiceError):
+    """The call needs something this server was not started with (the message names the flag)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 

@@ -31,6 +31,13 @@ def build_parser() -> EnvParser:
     )
     p.flag("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.flag("--dtype", default="float32", choices=["float32", "bfloat16"], help="decoder dtype")
+    p.flag(
+        "--phase-mode",
+        default="exact",
+        choices=["exact", "upstream"],
+        help="sine phase rounding: exact (float64, no drift on long utterances) or upstream "
+        "(upstream's float32 cumsum, as upstream on CPU); sessions only move between equal modes",
+    )
     p.flag("--max-sessions", type=int, default=s.max_num_sessions, help="open sessions cap")
     p.flag("--idle-timeout", type=float, default=s.idle_timeout_s, help="s before eviction")
     p.flag("--gap-timeout", type=float, default=s.gap_timeout_s, help="s a seq gap may last")
@@ -51,7 +58,9 @@ def build_parser() -> EnvParser:
 def config_from_args(args) -> VocoderServiceConfig:
     return VocoderServiceConfig(
         # An empty env var (VOCODER_MODEL_DIR=, as compose files write) means unset.
-        model=ModelConfig(args.preset or None, args.model_dir or None, args.device, args.dtype),
+        model=ModelConfig(
+            args.preset or None, args.model_dir or None, args.device, args.dtype, args.phase_mode
+        ),
         sessions=SessionConfig(
             max_num_sessions=args.max_sessions,
             idle_timeout_s=args.idle_timeout,

@@ -19,6 +19,9 @@ that voice. Per entry it also keeps the Euler state x of every cached frame at e
 (c channels, ~0.1 % of the K/V bytes): the conv position embedding of the first new frame
 reads the 60 frames before it.
 
+Shapes (docs/DESIGN.md "Shape letters"): b calls, r = 2b solver rows, t frames, c mel channels,
+d DiT width; q = a row's frames after its cached prefix (its queries), padded to the longest.
+
 Thread safety: `plan` / `commit` / `release` run on the runner thread, `drop` on the event
 loop; one lock guards the bookkeeping. A solve pins the blocks it reads (refcount), so an
 eviction or a drop during the solve never frees memory under it.
@@ -482,9 +485,9 @@ def solve_with_prefix(model, batch, plan: PrefixPlan, mask_padding=True, between
     prefix_d = prefix.to(dev)
     window = prefix_d[:, None] - cache_ctx + torch.arange(cache_ctx + q_max, device=dev)
     gather = window.clamp(0, t - 1)[..., None].expand(-1, -1, c)
-    mu_w = mu.gather(1, gather)  # (b, w, c); frames before 0 are dropped by `keep`
+    mu_w = mu.gather(1, gather)  # (b, 60 + q, c); frames before 0 are zeroed by `keep`
     cond_w = batch.cond.gather(1, gather)
-    keep = (window >= 0).to(dtype)[..., None].repeat(2, 1, 1)  # (2b, w, 1)
+    keep = (window >= 0).to(dtype)[..., None].repeat(2, 1, 1)  # (r, 60 + q, 1)
     query_pos = prefix_d[:, None] + torch.arange(q_max, device=dev)  # (b, q)
     noise = noise_buffer(dev, model.cfg.max_frames)
     x = noise[query_pos.clamp(max=noise.shape[0] - 1)]  # (b, q, c) fp32, position-locked
@@ -507,23 +510,23 @@ def solve_with_prefix(model, batch, plan: PrefixPlan, mask_padding=True, between
     )
     qn = num_queries.to(dev)
     frame_mask = (torch.arange(q_max, device=dev)[None] < qn[:, None]).to(dtype)
-    frame_mask = frame_mask.repeat(2, 1)[..., None]  # (2b, q, 1)
+    frame_mask = frame_mask.repeat(2, 1)[..., None]  # (r, q, 1)
     kv = _KVAssembler(plan.cache, plan, prefix, num_queries, t, dev)
     ctx = DiTPrefix(cache_ctx, keep, dit.rotary_embed.tables_at(qpos2), kv)
     mu_in = torch.cat((mu_w, torch.zeros_like(mu_w)))
     cond_in = torch.cat((cond_w, torch.zeros_like(cond_w)))
     spks_in = torch.cat((spks, torch.zeros_like(spks)))
-    r = dec.cfg_rate
+    cfg_rate = dec.cfg_rate
     xs = []
-    for k, (tk, dt) in enumerate(dec.steps):
+    for k, (tau, dtau) in enumerate(dec.steps):
         kv.step = k
-        t_in = torch.full((2 * b,), tk, dtype=torch.float32, device=dev)
+        t_in = torch.full((2 * b,), tau, dtype=torch.float32, device=dev)
         x_q = x.to(dtype)
         xs.append(x_q)
-        x_w = torch.cat((context_x[k], x_q), dim=1)  # (b, w, c)
+        x_w = torch.cat((context_x[k], x_q), dim=1)  # (b, 60 + q, c)
         x_in = torch.cat((x_w, x_w))
         v = dit(x_in, mu_in, cond_in, spks_in, t_in, bias, frame_mask, prefix=ctx).float()
-        x = x + dt * ((1.0 + r) * v[:b] - r * v[b:])
+        x = x + dtau * ((1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:])
         if between_steps is not None and k + 1 < steps:
             between_steps()
     x_steps = torch.stack(xs)  # (steps, b, q, c)
