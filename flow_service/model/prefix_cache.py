@@ -254,6 +254,8 @@ class PrefixCache:
             for req in requests:
                 row = RowPlan()
                 rows.append(row)
+                if not req.streaming and not req.cache_key:
+                    continue  # neither reads, writes nor ends a stream entry
                 fp = voice_fingerprint(req)
                 key = self._stream_key(req, fp)
                 if req.finalize:
