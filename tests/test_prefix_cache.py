@@ -292,3 +292,21 @@ def test_engine_runs_a_streams_chunks_in_order_so_they_hit(model):
     got, unordered = asyncio.run(run(order=False))  # batched together: little to reuse
     assert_close(got, want)
     assert unordered["reused_frames"] < ordered["reused_frames"]
+
+
+def test_blocks_spread_over_several_slabs(model, monkeypatch):
+    """Each slab a batch touches is gathered apart: a stream whose blocks lie in several slabs
+    (and a batch of two such streams) still gets the recomputed mel."""
+    import flow_service.model.prefix_cache as pc
+
+    probe = PrefixCache.for_model(model, 0)
+    monkeypatch.setattr(pc, "SLAB_BYTES", 2 * probe.block_bytes)
+    cache = new_cache(model, budget_blocks=40, share_voice_blocks=False)
+    assert cache.slab_blocks == 2 and len(cache._slabs) == 20
+    s1 = stream_calls(make_voice(16, 35), "p1", 230, seed=90)
+    s2 = stream_calls(make_voice(17, 13), "p2", 230, seed=91)
+    for k in range(3):
+        got = model.generate([s1[k], s2[k]], prefix_cache=cache)
+        assert_close(got, reference(model, [s1[k], s2[k]]))
+    assert cache.stats["hits"] == 4
+    assert sum(s is not None for s in cache._slabs) >= 4

@@ -43,9 +43,10 @@ from flow_service.model.dit import ragged_attention_bias
 from flow_service.model.requests import ChunkRequest
 
 # Pool tensors of about this size, each (steps, layers, {K,V}, blocks, {cond,uncond}, block, d),
-# allocated when first needed (uninitialised: a block is fully written before it is read). Few
-# slabs = few gathers per layer; free blocks are handed out lowest id first to keep it so.
-SLAB_BYTES = 1 << 30
+# allocated when first needed (uninitialised: a block is fully written before it is read). Each
+# slab a batch touches costs 4 small kernels per layer and step, so slabs are large (a 55 GB
+# budget is 7 of them) and free blocks are handed out lowest id first.
+SLAB_BYTES = 8 << 30
 
 
 def voice_fingerprint(req: ChunkRequest) -> bytes:
