@@ -144,6 +144,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--part1-cache-mb", type=int, default=16384, help="cache budget, part 1")
     p.add_argument("--skip-generate", action="store_true", help="part 1 only")
     p.add_argument(
+        "--fp32-check",
+        type=lambda v: v.lower() in ("1", "true", "yes", "on"),
+        default=True,
+        help="also run part 1's first length in fp32 with TF32 off (exactness), default true",
+    )
+    p.add_argument(
         "--budget-s",
         type=float,
         default=420.0,
@@ -185,8 +191,8 @@ def main(argv=None) -> dict:
     def write() -> None:
         (out / "prefix_cache_bench.json").write_text(json.dumps(result, indent=2))
 
-    for seconds in a.seconds:
-        row = per_utterance(model, a, seconds)
+    def part1(m, label: str, seconds: int) -> None:
+        row = dict(per_utterance(m, a, seconds), dtype=label)
         result["per_utterance"].append(row)
         write()
         print(
@@ -194,9 +200,20 @@ def main(argv=None) -> dict:
             f"{row['frame_steps_off']} off, {row['frame_steps_on']} on; hits "
             f"{row['hits']}+{row['voice_hits']} voice / misses {row['misses']}; peak cache "
             f"{row['peak_cache_bytes'] / 2**30:.2f} GiB; max rel diff "
-            f"{row['max_rel_diff_on_vs_off']:.2e} ({a.dtype}); solo eager s {row['solo_eager_s']}",
+            f"{row['max_rel_diff_on_vs_off']:.2e} ({label}); solo eager s {row['solo_eager_s']}",
             flush=True,
         )
+
+    for seconds in a.seconds:
+        part1(model, a.dtype, seconds)
+    if a.fp32_check and dtype != torch.float32:
+        # the exactness bar: fp32 with TF32 off (PyTorch's default for matmuls), first length
+        tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        m32 = load_flow(None, device=a.device, dtype=torch.float32, preset=a.preset)
+        part1(m32, "float32, TF32 off", a.seconds[0])
+        del m32
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     if not a.skip_generate:
 
         def save(row: dict) -> None:
