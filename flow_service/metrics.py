@@ -27,6 +27,13 @@ PREEMPTIONS = Counter(
     "Batches of first chunks run between the solver steps of a running batch",
 )
 VOICE_CACHE = Gauge("t2w_flow_voice_cache_entries", "Voices held in the LRU cache")
+CAPACITY = Gauge(
+    "t2w_flow_capacity_frames_per_second",
+    "Learned throughput: DiT sequence frames (rows x padded length, all steps) per second",
+)
+LATE = Counter(
+    "t2w_flow_late_calls_total", "Calls with a playback deadline whose batch finished after it"
+)
 PREFIX_CACHE_LOOKUPS = Counter(
     "t2w_flow_prefix_cache_lookups_total",
     "Streaming rows that could reuse a cached prefix, by outcome: hit (own stream), voice_hit "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from gateway.admission import AdmissionConfig
+from gateway.deadlines import DeadlineConfig
 from gateway.downstream import FlowClient
 from gateway.pipeline import PipelineLimits
 from gateway.routing import ReplicaSet
@@ -97,7 +99,70 @@ def build_parser() -> EnvParser:
         default=8,
         help="recordings accepted at once (running or waiting); past it RESOURCE_EXHAUSTED",
     )
+    p.flag(
+        "--deadlines",
+        type=bool,
+        default=True,
+        help="send each flow call and vocoder chunk its playback deadline (slack_ms), so the "
+        "services serve the least slack first",
+    )
+    p.flag(
+        "--first-chunk-target-ms",
+        type=float,
+        default=150.0,
+        help="a first chunk (or one whose tokens came late) is needed this long after its "
+        "tokens are in",
+    )
+    p.flag(
+        "--deadline-margin-ms",
+        type=float,
+        default=50.0,
+        help="subtracted from every playback deadline sent downstream (vocoder step, transport)",
+    )
+    p.flag(
+        "--admission",
+        type=bool,
+        default=False,
+        help="refuse a new stream (RESOURCE_EXHAUSTED) when the flow capacity estimate says "
+        "it would make admitted streams late",
+    )
+    p.flag(
+        "--admission-headroom",
+        type=float,
+        default=0.8,
+        help="share of the flow replicas' reported capacity admission plans with",
+    )
+    p.flag(
+        "--admission-expected-tokens",
+        type=int,
+        default=250,
+        help="tokens assumed for a stream whose input is still open (250 = 10 s)",
+    )
+    p.flag(
+        "--admission-wait-ms",
+        type=float,
+        default=0.0,
+        help="how long a stream that does not fit may wait for streams to end before it is "
+        "refused; 0 refuses at once",
+    )
+    p.flag(
+        "--admission-capacity",
+        type=float,
+        default=0.0,
+        help="flow capacity in DiT frames/s for admission, replacing the replicas' reports; "
+        "0: learned from the replicas",
+    )
     return p
+
+
+def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:
+    return AdmissionConfig(
+        enabled=args.admission,
+        headroom=args.admission_headroom,
+        expected_tokens=args.admission_expected_tokens,
+        max_wait_s=args.admission_wait_ms / 1e3,
+        capacity_override=args.admission_capacity,
+    )
 
 
 def load_voice_maker(args: argparse.Namespace) -> VoiceMaker | None:
@@ -117,7 +182,12 @@ def create_server(args: argparse.Namespace, voice_maker: VoiceMaker | None = Non
     )
     flows = ReplicaSet(args.flow_addr, **routing)
     vocoders = ReplicaSet(args.vocoder_addr, **routing)
-    limits = PipelineLimits(args.max_inflight_chunks, args.max_buffered_chunks, args.call_timeout)
+    deadlines = None
+    if args.deadlines:
+        deadlines = DeadlineConfig(args.first_chunk_target_ms / 1e3, args.deadline_margin_ms / 1e3)
+    limits = PipelineLimits(
+        args.max_inflight_chunks, args.max_buffered_chunks, args.call_timeout, deadlines
+    )
     if voice_maker is None:
         voice_maker = load_voice_maker(args)
     servicer = GatewayServicer(
@@ -127,6 +197,7 @@ def create_server(args: argparse.Namespace, voice_maker: VoiceMaker | None = Non
         limits,
         args.max_streams,
         voice_maker,
+        admission_from_args(args),
     )
     server = GrpcServer(
         ServerOptions.from_args(args),

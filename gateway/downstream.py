@@ -4,12 +4,16 @@ translation of downstream statuses into the gateway's own errors."""
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
+from gateway.admission import CapacityBoard
+from gateway.deadlines import slack_ms
 from gateway.routing import ReplicaSet
 from token2wav.errors import (
     Aborted,
@@ -73,11 +77,18 @@ class KnownVoices:
 
 
 class FlowClient:
-    def __init__(self, replicas: ReplicaSet, max_attempts: int = 3, sticky: bool = True):
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        max_attempts: int = 3,
+        board: CapacityBoard | None = None,
+        sticky: bool = True,
+    ):
         self.replicas = replicas
         self.max_attempts = max_attempts
         self.sticky = sticky  # a stream's calls to its rendezvous replica, else round robin
         self.known = KnownVoices()
+        self.board = board or CapacityBoard()  # the replicas' reported capacity
 
     async def generate(
         self,
@@ -90,7 +101,9 @@ class FlowClient:
         finalize: bool,
         streaming: bool,
         timeout: float | None,
+        due: float = math.inf,
     ) -> FlowOutput:
+        """`due`: the chunk's playback deadline (monotonic s), sent as slack from each send."""
         base = flow_pb2.GenerateRequest(
             request_id=request_id,
             seq=seq,
@@ -117,6 +130,8 @@ class FlowClient:
                     req.inline_voice.CopyFrom(voice.to_proto())
                 else:
                     req.voice_id = voice_id
+                if due < math.inf:
+                    req.slack_ms = slack_ms(due, time.monotonic())
                 try:
                     resp = await stub.Generate(req, timeout=timeout)
                 except grpc.aio.AioRpcError as exc:
@@ -133,6 +148,7 @@ class FlowClient:
                     last = exc
                     break
                 self.known.add(addr, voice_id)
+                self.board.report(addr, resp.capacity_frames_per_s)
                 mel = decode(resp.mel, "mel", shape=(80, None))
                 t = resp.timing
                 return FlowOutput(mel, t.queue_ms, t.compute_ms, t.batch_size)

@@ -12,6 +12,14 @@ FIRST_CHUNK = Histogram(
 STREAM_SECONDS = Histogram(
     "t2w_gateway_stream_seconds", "Stream duration", buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300)
 )
+ADMISSION_REFUSED = Counter(
+    "t2w_gateway_admission_refused_total",
+    "Streams refused because the flow capacity estimate said admitted streams would be late",
+)
+FLOW_CAPACITY = Gauge(
+    "t2w_gateway_flow_capacity_frames_per_second",
+    "Flow capacity admission plans with: replicas' reports summed, times --admission-headroom",
+)
 AUDIO_SECONDS = Counter("t2w_gateway_audio_seconds_total", "Audio seconds sent to clients")
 FRONTEND_PENDING = Gauge(
     "t2w_gateway_frontend_pending", "Prompt recordings being made into voices or waiting to be"

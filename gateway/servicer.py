@@ -9,6 +9,7 @@ import uuid
 from collections import OrderedDict
 
 from gateway import metrics
+from gateway.admission import AdmissionConfig, AdmissionController
 from gateway.downstream import FlowClient
 from gateway.pipeline import PipelineLimits, StreamPipeline, StreamSetup
 from gateway.routing import ReplicaSet
@@ -61,6 +62,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         limits: PipelineLimits,
         max_streams: int,
         voice_maker: VoiceMaker | None = None,
+        admission: AdmissionConfig = AdmissionConfig(),
     ):
         self.voice_maker = voice_maker  # None: started without --frontend-dir
         self.flow = flow
@@ -69,6 +71,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.limits = limits
         self.max_streams = max_streams
         self.num_streams = 0
+        self.admission = AdmissionController(admission, flow.board)
 
     def _setup(self, msg, context) -> StreamSetup:
         if msg.WhichOneof("message") != "config":
@@ -101,10 +104,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         request_id_var.set(setup.request_id)
         if self.num_streams >= self.max_streams:
             raise ResourceExhausted(f"gateway at its limit of {self.max_streams} streams")
+        pipeline = StreamPipeline(setup, self.flow, self.vocoders, self.limits)
+        await self.admission.admit(pipeline)  # RESOURCE_EXHAUSTED when it would make streams late
         self.num_streams += 1
         metrics.ACTIVE_STREAMS.set(self.num_streams)
         started = time.monotonic()
-        pipeline = StreamPipeline(setup, self.flow, self.vocoders, self.limits)
         try:
             first_chunk = True
             async for msg in pipeline.run(request_iterator):
@@ -118,6 +122,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             metrics.STREAMS.labels(type(exc).__name__).inc()
             raise
         finally:
+            await self.admission.release(pipeline)
             self.num_streams -= 1
             metrics.ACTIVE_STREAMS.set(self.num_streams)
             metrics.STREAM_SECONDS.observe(time.monotonic() - started)
