@@ -31,7 +31,7 @@ import torch
 
 from flow_service import metrics
 from flow_service.costmodel import CostModel, num_solver_steps
-from flow_service.model import ChunkRequest, FlowModel
+from flow_service.model import ChunkRequest, FlowModel, PrefixCache
 from flow_service.scheduler import BatchPolicy, CallStatus, PendingCall, Plan, Scheduler
 from token2wav.errors import DeadlineExceeded, ServiceError, Unavailable
 
@@ -94,8 +94,15 @@ class FlowEngine:
         graph_frame_multiple: int = 100,
         preempt: bool = True,
         cost: CostModel | None = None,
+        prefix_cache: PrefixCache | None = None,
+        order_streams: bool = True,
     ):
         self.model = model
+        # Keys/values of streams' complete earlier blocks (eager batches only: a graphed batch
+        # is launch-bound, recomputing its prefix costs little there).
+        self.prefix_cache = prefix_cache
+        self.order_streams = order_streams
+        self._chains: dict[str, list[tuple[int, asyncio.Event]]] = {}  # key -> calls in flight
         self.policy = policy
         self.cost = cost or CostModel(num_solver_steps(model))
         self.scheduler = Scheduler(policy, self.cost)
@@ -165,7 +172,35 @@ class FlowEngine:
         self, request: ChunkRequest, deadline: float = math.inf, due: float = math.inf
     ) -> FlowResult:
         """`deadline`: the call fails past it; `due`: its playback deadline (soft, orders it;
-        ignored with deadline scheduling off, so that the order is exactly the one before)."""
+        ignored with deadline scheduling off, so that the order is exactly the one before).
+        With the prefix cache and `order_streams`, a call waits until the calls of its stream
+        with a smaller token_offset on this replica are done: it can only reuse what they
+        stored, and its audio plays after theirs anyway."""
+        key = request.cache_key if self.prefix_cache is not None and self.order_streams else ""
+        if not key:
+            return await self._submit_now(request, deadline, due)
+        chain = self._chains.setdefault(key, [])
+        earlier = [done for offset, done in chain if offset < request.token_offset]
+        mine = (request.token_offset, asyncio.Event())
+        chain.append(mine)
+        try:
+            if earlier:
+                left = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
+                try:
+                    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in earlier)), left)
+                except asyncio.TimeoutError:
+                    metrics.DROPPED.labels("deadline").inc()
+                    raise DeadlineExceeded(
+                        "deadline passed while the stream's earlier chunks ran"
+                    ) from None
+            return await self._submit_now(request, deadline, due)
+        finally:
+            mine[1].set()
+            chain.remove(mine)
+            if not chain:
+                del self._chains[key]
+
+    async def _submit_now(self, request: ChunkRequest, deadline: float, due: float) -> FlowResult:
         if not self.policy.deadline_scheduling:
             due = math.inf
         call = PendingCall(
@@ -186,6 +221,8 @@ class FlowEngine:
         try:
             return await future
         except asyncio.CancelledError:
+            if self.prefix_cache is not None and request.cache_key:
+                self.prefix_cache.drop(request.cache_key)  # the stream is likely gone
             if call.status == CallStatus.WAITING:
                 call.status = CallStatus.CANCELLED  # the loop drops it before the next batch
                 metrics.DROPPED.labels("cancelled_waiting").inc()
@@ -248,8 +285,9 @@ class FlowEngine:
         return min((c.deadline for c in self.scheduler.waiting), default=math.inf)
 
     def _generate(self, requests: list[ChunkRequest], between_steps=None) -> list[torch.Tensor]:
+        cache = self.prefix_cache
         if self._stream is None:
-            return self.model.generate(requests, between_steps=between_steps)
+            return self.model.generate(requests, between_steps=between_steps, prefix_cache=cache)
         num = len(requests)
         with torch.cuda.stream(self._stream):
             if self._graphs is not None and num <= self.graph_max_batch:
@@ -263,8 +301,14 @@ class FlowEngine:
                     frame_multiple=self.graph_frame_multiple,
                     between_steps=between_steps,
                 )[:num]
+                if cache is not None:  # graphed rows skip the cache; finished streams leave it
+                    for req in requests:
+                        if req.finalize and req.cache_key:
+                            cache.drop(req.cache_key)
             else:
-                outputs = self.model.generate(requests, between_steps=between_steps)
+                outputs = self.model.generate(
+                    requests, between_steps=between_steps, prefix_cache=cache
+                )
         self._stream.synchronize()
         return outputs
 

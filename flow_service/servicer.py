@@ -45,6 +45,7 @@ class FlowServicer(flow_pb2_grpc.FlowServicer):
             token_offset=request.token_offset,
             finalize=request.finalize,
             streaming=request.streaming,
+            cache_key=request.request_id,  # the stream: its prefix cache entry (if any)
         )
         validate_chunk(chunk)
         return voice_id, chunk

@@ -71,6 +71,14 @@ def build_parser() -> EnvParser:
         help="cap in seconds on each downstream call's deadline",
     )
     p.flag("--flow-attempts", type=int, default=3, help="replicas a flow call tries on UNAVAILABLE")
+    p.flag(
+        "--flow-affinity",
+        default="stream",
+        choices=["stream", "call"],
+        help="stream: all flow calls of a stream go to one replica (rendezvous hash of the "
+        "request id; its prefix cache is there), the next-ranked on UNAVAILABLE; call: round "
+        "robin per call (even spread when the flow replicas run without the prefix cache)",
+    )
     p.flag("--max-voices", type=int, default=1024, help="registered voices kept (LRU)")
     p.flag(
         "--frontend-dir",
@@ -183,7 +191,7 @@ def create_server(args: argparse.Namespace, voice_maker: VoiceMaker | None = Non
     if voice_maker is None:
         voice_maker = load_voice_maker(args)
     servicer = GatewayServicer(
-        FlowClient(flows, args.flow_attempts),
+        FlowClient(flows, args.flow_attempts, sticky=args.flow_affinity == "stream"),
         vocoders,
         VoiceRegistry(args.max_voices),
         limits,

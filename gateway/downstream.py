@@ -78,10 +78,15 @@ class KnownVoices:
 
 class FlowClient:
     def __init__(
-        self, replicas: ReplicaSet, max_attempts: int = 3, board: CapacityBoard | None = None
+        self,
+        replicas: ReplicaSet,
+        max_attempts: int = 3,
+        board: CapacityBoard | None = None,
+        sticky: bool = True,
     ):
         self.replicas = replicas
         self.max_attempts = max_attempts
+        self.sticky = sticky  # a stream's calls to its rendezvous replica, else round robin
         self.known = KnownVoices()
         self.board = board or CapacityBoard()  # the replicas' reported capacity
 
@@ -109,7 +114,11 @@ class FlowClient:
         )
         voice_id = voice.voice_id
         last: grpc.aio.AioRpcError | None = None
-        order = await self.replicas.round_robin()
+        # One replica per stream: its prefix cache holds what the stream's earlier calls computed
+        if self.sticky and request_id:
+            order = await self.replicas.ranked(request_id)
+        else:
+            order = await self.replicas.round_robin()
         for attempt in range(self.max_attempts):
             addr = order[attempt % len(order)]
             stub = flow_pb2_grpc.FlowStub(self.replicas.channel(addr))

@@ -308,6 +308,7 @@ def test_replicated_stack_spreads_flow_calls_over_every_replica(tmp_path):
         "--flow-replicas=2",
         "--vocoder-replicas=2",
         "--flow-arg=--log-batches=true",
+        "--gateway-arg=--flow-affinity=call",  # every replica gets calls, whatever the hash
         "--startup-timeout=180",
         f"--out-dir={tmp_path}",
         "--quiet",
