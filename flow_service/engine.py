@@ -130,7 +130,12 @@ class FlowEngine:
         # Likewise: the earliest latest-start of a waiting call with a deadline (monotonic s),
         # and one solver step of the batch the runner is in (runner thread only).
         self._latest_start = math.inf
+        self._min_due = math.inf  # the earliest due of a waiting call (loop thread writes)
         self._step_s = 0.0
+        # Runner thread only: what is left of the preemptible batch it runs, and its rows'
+        # earliest due (an urgent batch must be due before it: earliest deadline first).
+        self._remaining_s = 0.0
+        self._running_due = math.inf
         self.num_preemptions = 0
         self._nested_s = 0.0  # runner thread only: time spent in urgent batches
         self._wakeup = asyncio.Event()
@@ -177,8 +182,9 @@ class FlowEngine:
         with a smaller token_offset on this replica are done: it can only reuse what they
         stored, and its audio plays after theirs anyway."""
         key = request.cache_key if self.prefix_cache is not None and self.order_streams else ""
+        sent = time.monotonic()
         if not key:
-            return await self._submit_now(request, deadline, due)
+            return await self._submit_now(request, deadline, due, sent)
         chain = self._chains.setdefault(key, [])
         earlier = [done for offset, done in chain if offset < request.token_offset]
         mine = (request.token_offset, asyncio.Event())
@@ -193,14 +199,16 @@ class FlowEngine:
                     raise DeadlineExceeded(
                         "deadline passed while the stream's earlier chunks ran"
                     ) from None
-            return await self._submit_now(request, deadline, due)
+            return await self._submit_now(request, deadline, due, sent)
         finally:
             mine[1].set()
             chain.remove(mine)
             if not chain:
                 del self._chains[key]
 
-    async def _submit_now(self, request: ChunkRequest, deadline: float, due: float) -> FlowResult:
+    async def _submit_now(
+        self, request: ChunkRequest, deadline: float, due: float, sent: float
+    ) -> FlowResult:
         if not self.policy.deadline_scheduling:
             due = math.inf
         call = PendingCall(
@@ -210,10 +218,15 @@ class FlowEngine:
             deadline=deadline,
             payload=request,
             due=due,
+            stream=request.cache_key,
+            token_offset=request.token_offset,
+            final=request.finalize,
+            sent=sent,
         )
         self.scheduler.add(call)  # RESOURCE_EXHAUSTED when full: at once, queue unchanged
         self._first_waiting += call.is_first_chunk and due == math.inf
         self._latest_start = self.scheduler.latest_start()
+        self._min_due = self.scheduler.min_due()
         future = asyncio.get_running_loop().create_future()
         self._futures[call.call_id] = future
         metrics.QUEUE_DEPTH.set(len(self.scheduler))
@@ -280,6 +293,7 @@ class FlowEngine:
         metrics.QUEUE_DEPTH.set(len(self.scheduler))
         self._first_waiting = self.scheduler.num_first_chunks_waiting
         self._latest_start = self.scheduler.latest_start()
+        self._min_due = self.scheduler.min_due()
 
     def _next_deadline(self) -> float:
         return min((c.deadline for c in self.scheduler.waiting), default=math.inf)
@@ -340,6 +354,8 @@ class FlowEngine:
         )
         if preemptible:
             self._step_s = self.cost.step_s(len(plan.calls), plan.padded_len)
+            self._remaining_s = self.cost.estimate(len(plan.calls), plan.padded_len)
+            self._running_due = min(c.due for c in plan.calls)
         hook = None
         if preemptible:
             # Eager batches (more rows than graphs take) have long steps: look at the queue
@@ -357,9 +373,14 @@ class FlowEngine:
 
     def _between_steps(self, sync_every_step: bool) -> None:
         """Runner thread, between two solver steps of a preemptible batch."""
-        # Urgent: a first chunk without a deadline waits, or a call that cannot afford one
-        # more step of this batch (its latest start is within a step from now).
-        due_soon = time.monotonic() + self._step_s >= self._latest_start
+        # Urgent: a first chunk without a deadline waits, or a call that cannot wait for the
+        # rest of this batch (its latest start is before the batch ends) and is due before
+        # the batch's own rows (Scheduler.preempt_due; read here without the loop thread).
+        self._remaining_s = max(0.0, self._remaining_s - self._step_s)
+        wait = max(self._step_s, self._remaining_s)
+        due_soon = (
+            time.monotonic() + wait >= self._latest_start and self._min_due < self._running_due
+        )
         urgent = (
             (self._first_waiting > 0 or due_soon)
             and not self._stopping
@@ -399,7 +420,10 @@ class FlowEngine:
             if self._stopping:
                 return  # stop() fails the waiting calls; none may slip into a batch now
             self._drop_finished(time.monotonic())
-            plan = self.scheduler.schedule(urgent_slack_s=self._step_s)
+            plan = self.scheduler.schedule(
+                urgent_slack_s=self.scheduler.urgent_slack(self._step_s, self._remaining_s),
+                due_before=self._running_due,
+            )
             self._queue_changed()
             if plan is not None:
                 plan.urgent = True
@@ -414,6 +438,7 @@ class FlowEngine:
     def _finish(self, plan: Plan, result, exc: Exception | None, started: float) -> None:
         done = time.monotonic()
         self.scheduler.mark_busy_until(done)
+        self.scheduler.finished(plan.calls, done)
         self.num_batches += 1
         n = len(plan.calls)
         metrics.BATCH_SIZE.observe(n)

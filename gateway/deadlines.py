@@ -6,10 +6,18 @@ whenever it runs dry. A chunk is needed when the audio before it has played out:
   first chunk     tokens in (ready_at) + first_chunk_target
   chunk k         play_end + (audio position of chunk k - audio delivered), where play_end is
                   when the audio sent so far runs out (each send: max(play_end, now) + its
-                  length); before the first send, play_end is the first chunk's target time
+                  length); before the first send, play_end is when the first chunk's tokens
+                  came: the player may start as soon as a fast first chunk is there, and a
+                  deadline counted from the first chunk's target would be late for every
+                  stream whose first chunk beats it (the flow scheduler moves a stream's later
+                  deadlines back when its first chunk comes late: Scheduler.finished)
   late tokens     a chunk whose tokens came in after that point cannot be on time whatever the
-                  back end does (the player has stalled on the input): it is needed
-                  first_chunk_target after its tokens came, like a first chunk
+                  back end does (the player has stalled on the input): it is needed as fast as
+                  the stream's first chunk came (tokens in -> audio out, measured at its send;
+                  first_chunk_target until then). The player is silent meanwhile, and the
+                  bench counts every ms beyond that latency as stall the stack added, so the
+                  target (a bound for first chunks) would grant such a chunk a stall of up to
+                  target - first-chunk latency that the stream is then judged late for
 
 The deadline sent to the flow and vocoder services is that time minus `margin` (transport,
 vocoder step, client buffering), as slack: milliseconds from the send (see flow.proto).
@@ -62,6 +70,7 @@ class PlaybackClock:
         self.first_needed: float | None = None  # when the first chunk is needed
         self.play_end: float | None = None  # when the audio sent so far runs out
         self.delivered_s = 0.0
+        self.first_latency: float | None = None  # first chunk's tokens in -> its audio sent
 
     def needed_at(self, chunk: Chunk, ready_at: float, project: bool = False) -> float:
         """When the client needs chunk `chunk` whose tokens were all in at `ready_at`. The
@@ -73,9 +82,10 @@ class PlaybackClock:
             self.first_needed = first
         if chunk.seq == 0:
             return first
-        base = self.play_end if self.play_end is not None else first
+        base = self.play_end if self.play_end is not None else first - target
         needed = base + audio_position_s(chunk) - self.delivered_s
-        return max(needed, ready_at + target)
+        late_tokens = self.first_latency if self.first_latency is not None else target
+        return max(needed, ready_at + late_tokens)
 
     def due(self, chunk: Chunk, ready_at: float, project: bool = False) -> float:
         """The deadline sent downstream: needed_at minus the margin."""
@@ -84,6 +94,8 @@ class PlaybackClock:
     def sent(self, audio_s: float) -> None:
         """`audio_s` seconds of audio went to the client now."""
         now = self.clock()
+        if self.play_end is None and self.first_needed is not None:
+            self.first_latency = now - (self.first_needed - self.config.first_chunk_target_s)
         self.play_end = max(self.play_end if self.play_end is not None else now, now) + audio_s
         self.delivered_s += audio_s
 

@@ -216,13 +216,14 @@ def test_playback_deadlines_follow_the_player():
     c1 = GatewayChunk(1, 78, 25, False, True)  # audio before it: (50 - 8) frames = 0.84 s
     assert audio_position_s(c1) == pytest.approx(0.84)
     assert pc.due(c0, ready_at=10.0) == pytest.approx(10.10)
-    # before playback starts: counted from the first chunk's target time
-    assert pc.due(c1, ready_at=10.0) == pytest.approx(10.15 + 0.84 - 0.05)
+    # before playback starts: counted from the first chunk's tokens (the earliest start)
+    assert pc.due(c1, ready_at=10.0) == pytest.approx(10.0 + 0.84 - 0.05)
     now[0] = 10.2  # first audio (0.84 s) goes out 50 ms after its target
     pc.sent(0.84)
     assert pc.due(c1, ready_at=10.0) == pytest.approx(10.2 + 0.84 - 0.05)
-    # tokens that come late: needed one first-chunk target after they came
-    assert pc.due(c1, ready_at=12.0) == pytest.approx(12.0 + 0.15 - 0.05)
+    # tokens that come late: needed as fast as the first chunk came (0.2 s after its tokens)
+    assert pc.first_latency == pytest.approx(0.2)
+    assert pc.due(c1, ready_at=12.0) == pytest.approx(12.0 + 0.2 - 0.05)
     now[0] = 13.0  # the player ran dry at 11.04; the next audio restarts it
     pc.sent(1.0)
     c2 = GatewayChunk(2, 178, 75, False, True)  # position (150 - 8) / 50 = 2.84 s
