@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from gateway.downstream import FlowClient
+from gateway.inbound import InboundLimits
 from gateway.pipeline import PipelineLimits
 from gateway.routing import ReplicaSet
 from gateway.servicer import GatewayServicer, VoiceRegistry
@@ -68,6 +69,27 @@ def build_parser() -> EnvParser:
     )
     p.flag("--flow-attempts", type=int, default=3, help="replicas a flow call tries on UNAVAILABLE")
     p.flag("--max-voices", type=int, default=1024, help="registered voices kept (LRU)")
+    p.flag(
+        "--first-tokens-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a stream may wait for its StreamConfig, then for its first tokens, "
+        "before it ends with DEADLINE_EXCEEDED (an idle stream holds a slot)",
+    )
+    p.flag(
+        "--input-idle-timeout",
+        type=float,
+        default=120.0,
+        help="seconds between client messages once tokens flow, until EndOfInput; past it "
+        "the stream ends with DEADLINE_EXCEEDED",
+    )
+    p.flag(
+        "--vocoder-failovers",
+        type=int,
+        default=3,
+        help="times a stream may move to another vocoder replica (replaying its mel) when "
+        "its session is lost; 0 turns failover off",
+    )
     return p
 
 
@@ -79,13 +101,24 @@ def create_server(args: argparse.Namespace):
     )
     flows = ReplicaSet(args.flow_addr, **routing)
     vocoders = ReplicaSet(args.vocoder_addr, **routing)
-    limits = PipelineLimits(args.max_inflight_chunks, args.max_buffered_chunks, args.call_timeout)
+    limits = PipelineLimits(
+        args.max_inflight_chunks,
+        args.max_buffered_chunks,
+        args.call_timeout,
+        max_vocoder_failovers=args.vocoder_failovers,
+    )
+    inbound = InboundLimits(
+        first_message_timeout=args.first_tokens_timeout,
+        first_tokens_timeout=args.first_tokens_timeout,
+        idle_timeout=args.input_idle_timeout,
+    )
     servicer = GatewayServicer(
         FlowClient(flows, args.flow_attempts),
         vocoders,
         VoiceRegistry(args.max_voices),
         limits,
         args.max_streams,
+        inbound,
     )
     server = GrpcServer(
         ServerOptions.from_args(args),

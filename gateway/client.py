@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from gateway.inbound import DETAILS_KEY, STATUS_KEY
 from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner, ScheduleConfig
 from token2wav import SAMPLE_RATE, SAMPLES_PER_TOKEN
 from token2wav.server import channel_options
@@ -66,6 +67,12 @@ def decode_audio(msg: gateway_pb2.SynthesizeResponse) -> np.ndarray:
     return np.frombuffer(msg.audio, "<i2").astype(np.float32) / 32768.0
 
 
+def audio_chunk(msg: gateway_pb2.SynthesizeResponse) -> AudioChunk:
+    return AudioChunk(
+        msg.seq, msg.sample_offset, decode_audio(msg), msg.is_final, msg.timing, time.perf_counter()
+    )
+
+
 def _config(
     voice: VoiceData | str,
     audio_format: str,
@@ -80,6 +87,30 @@ def _config(
     if schedule is not None:
         cfg.schedule.CopyFrom(schedule)
     return gateway_pb2.SynthesizeRequest(config=cfg)
+
+
+_CORE_WRITE_ERROR = "Internal error from Core"
+
+
+def honest_error(exc: grpc.RpcError) -> grpc.RpcError:
+    """The server's status for an error that grpc.aio replaced with `INTERNAL: Internal error
+    from Core` (grpc/grpc#36066: the server ended the call while a write of ours was in flight).
+
+    The gateway repeats a refusal's status in its initial metadata; without it (the stream had
+    already sent audio) the call ended early for a reason we cannot know: ABORTED, retry."""
+    if exc.code() != grpc.StatusCode.INTERNAL or exc.details() != _CORE_WRITE_ERROR:
+        return exc
+    initial = exc.initial_metadata() or ()
+    headers = {str(k): str(v) for k, v in initial}
+    code = getattr(grpc.StatusCode, headers.get(STATUS_KEY, ""), None)
+    if code is None:
+        code = grpc.StatusCode.ABORTED
+        details = "the server ended the stream while the client was still sending; retry"
+    else:
+        details = headers.get(DETAILS_KEY, "")
+    return grpc.aio.AioRpcError(
+        code, grpc.aio.Metadata(*initial), grpc.aio.Metadata(), details, exc.debug_error_string()
+    )
 
 
 class AsyncStream:
@@ -114,15 +145,11 @@ class AsyncStream:
         self._call.cancel()
 
     async def __aiter__(self) -> AsyncIterator[AudioChunk]:
-        async for msg in self._call:
-            yield AudioChunk(
-                msg.seq,
-                msg.sample_offset,
-                decode_audio(msg),
-                msg.is_final,
-                msg.timing,
-                time.perf_counter(),
-            )
+        try:
+            async for msg in self._call:
+                yield audio_chunk(msg)
+        except grpc.RpcError as exc:
+            raise honest_error(exc) from None
 
 
 class AsyncClient:
@@ -174,15 +201,11 @@ class Stream:
         self._call.cancel()
 
     def __iter__(self) -> Iterator[AudioChunk]:
-        for msg in self._call:
-            yield AudioChunk(
-                msg.seq,
-                msg.sample_offset,
-                decode_audio(msg),
-                msg.is_final,
-                msg.timing,
-                time.perf_counter(),
-            )
+        try:
+            for msg in self._call:
+                yield audio_chunk(msg)
+        except grpc.RpcError as exc:
+            raise honest_error(exc) from None
 
 
 class Client:

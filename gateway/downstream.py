@@ -19,6 +19,7 @@ from token2wav.errors import (
     ResourceExhausted,
     ServiceError,
     Unavailable,
+    scrub,
 )
 from token2wav.tensors import VoiceData, decode, encode
 from token2wav.v1 import flow_pb2, flow_pb2_grpc
@@ -35,11 +36,18 @@ _PASS_THROUGH = {
 
 def downstream_error(exc: grpc.aio.AioRpcError, what: str) -> Exception:
     """Capacity and availability problems pass through with their code; anything else a
-    downstream service says about our own request is a gateway bug (INTERNAL)."""
-    cls = _PASS_THROUGH.get(exc.code())
+    downstream service says about our own request is a gateway bug (INTERNAL). `what` names the
+    stage, never a replica's address: the message goes to the client (addresses in the
+    downstream's details are scrubbed too; the log has them)."""
+    code = exc.code()
+    if code == grpc.StatusCode.CANCELLED:
+        code = grpc.StatusCode.UNAVAILABLE  # the replica shut down under the call
+    cls = _PASS_THROUGH.get(code)
     if cls is not None:
-        return cls(f"{what}: {exc.details()}")
-    return RuntimeError(f"{what} failed with {exc.code().name}: {exc.details()}")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return cls(f"{what}: no replica reachable, retry")
+        return cls(f"{what}: {scrub(exc.details() or '')}")
+    return RuntimeError(f"{what} failed with {code.name}: {exc.details()}")
 
 
 @dataclass

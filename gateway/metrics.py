@@ -13,3 +13,8 @@ STREAM_SECONDS = Histogram(
     "t2w_gateway_stream_seconds", "Stream duration", buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300)
 )
 AUDIO_SECONDS = Counter("t2w_gateway_audio_seconds_total", "Audio seconds sent to clients")
+VOCODER_FAILOVERS = Counter(
+    "t2w_gateway_vocoder_failovers_total",
+    "Streams moved to another vocoder session (mel replayed) after losing theirs, by reason",
+    ["reason"],
+)

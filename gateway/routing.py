@@ -22,6 +22,15 @@ from token2wav.server import channel_options
 logger = logging.getLogger(__name__)
 
 
+# A replica that comes back gets calls within about a second: gRPC's default reconnect backoff
+# grows to 120 s, during which a channel fails fast without even trying the restarted replica.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 def parse_spec(spec: str) -> tuple[list[str], tuple[str, int] | None]:
     """'h1:p1,h2:p2' -> (addresses, None); 'dns:///name:port' -> ([], (name, port))."""
     spec = spec.strip()
@@ -61,7 +70,7 @@ class ReplicaSet:
         self.spec = spec
         self._static, self._dns = parse_spec(spec)
         self.refresh_s = refresh_s
-        self._options = channel_options(max_message_mb)
+        self._options = channel_options(max_message_mb) + RECONNECT_OPTIONS
         self._addresses: list[str] = list(self._static)
         self._resolved_at = -1e9
         self._channels: dict[str, grpc.aio.Channel] = {}  # address -> channel
@@ -122,8 +131,11 @@ class ReplicaSet:
         self._next += 1
         return addrs[start:] + addrs[:start]
 
-    async def pick(self, key: str) -> str:
-        return rendezvous(key, await self.addresses())
+    async def pick(self, key: str, exclude: set[str] | frozenset[str] = frozenset()) -> str:
+        """The replica for `key`, skipping `exclude` (replicas that failed it) while another
+        is known; with none left, the same replica again (it may have restarted)."""
+        addrs = await self.addresses()
+        return rendezvous(key, [a for a in addrs if a not in exclude] or addrs)
 
     @property
     def num_retiring(self) -> int:

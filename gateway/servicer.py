@@ -10,6 +10,7 @@ from collections import OrderedDict
 
 from gateway import metrics
 from gateway.downstream import FlowClient
+from gateway.inbound import Inbound, InboundLimits, announce_status
 from gateway.pipeline import PipelineLimits, StreamPipeline, StreamSetup
 from gateway.routing import ReplicaSet
 from gateway.schedule import ScheduleConfig
@@ -59,12 +60,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         voices: VoiceRegistry,
         limits: PipelineLimits,
         max_streams: int,
+        inbound: InboundLimits | None = None,
     ):
         self.flow = flow
         self.vocoders = vocoders
         self.voices = voices
         self.limits = limits
         self.max_streams = max_streams
+        self.inbound = inbound or InboundLimits()
         self.num_streams = 0
 
     def _setup(self, msg, context) -> StreamSetup:
@@ -90,8 +93,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return StreamSetup(request_id, voice, fmt, schedule, deadline)
 
     async def Synthesize(self, request_iterator, context):
+        inbound = Inbound(request_iterator, self.inbound)
+        sent = False
         try:
-            first = await request_iterator.__anext__()
+            async for msg in self._synthesize(inbound, context):
+                sent = True
+                yield msg
+        except Exception as exc:
+            # Ending the call while the client still writes lets grpc.aio replace our status
+            # with INTERNAL on its side: say the status in the headers, let it finish writing.
+            if not sent:
+                await announce_status(context, exc)
+            await inbound.drain()
+            raise
+        finally:
+            await inbound.close()
+
+    async def _synthesize(self, inbound: Inbound, context):
+        try:
+            first = await inbound.__anext__()
         except StopAsyncIteration:
             raise InvalidArgument("config", "empty stream: send a StreamConfig first") from None
         setup = self._setup(first, context)
@@ -104,7 +124,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         pipeline = StreamPipeline(setup, self.flow, self.vocoders, self.limits)
         try:
             first_chunk = True
-            async for msg in pipeline.run(request_iterator):
+            async for msg in pipeline.run(inbound):
                 if first_chunk:
                     metrics.FIRST_CHUNK.observe(msg.timing.gateway_ms / 1e3)
                     first_chunk = False

@@ -22,7 +22,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram, start_http_server
 
-from token2wav.errors import status_for
+from token2wav.errors import BadMessage, scrub, status_for
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,11 @@ def channel_options(max_message_mb: int = 64) -> list[tuple[str, int]]:
     ]
 
 
+# Servers only: no SO_REUSEPORT, so a second server on a taken port fails at start instead of
+# sharing the port (and half the calls) with the first.
+SERVER_ONLY_OPTIONS = [("grpc.so_reuseport", 0)]
+
+
 class RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = request_id_var.get()
@@ -101,8 +106,45 @@ async def _fail(context: grpc.aio.ServicerContext, method: str, exc: Exception):
     if mapped is None:
         logger.exception("internal error in %s", method)
         mapped = (grpc.StatusCode.INTERNAL, "internal error (logged on the server)")
+    elif isinstance(exc, BadMessage):
+        logger.warning("%s from %s: %s", method, context.peer(), exc.message)  # one line
     RPC_CALLS.labels(method, mapped[0].name).inc()
-    await context.abort(mapped[0], mapped[1])
+    await context.abort(mapped[0], scrub(mapped[1]))
+
+
+class _Undecodable:
+    """What a request deserializer returns for bytes that do not parse; the handler wrapper
+    turns it into INVALID_ARGUMENT (grpc itself would log a traceback and answer INTERNAL or
+    UNKNOWN)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _tolerant(deserializer):
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError and whatever a parser raises
+            return _Undecodable(exc)
+
+    return parse
+
+
+def _checked(request, method: str):
+    if isinstance(request, _Undecodable):
+        raise BadMessage(method, request.error)
+    return request
+
+
+async def _checked_stream(requests, method: str):
+    async for request in requests:
+        yield _checked(request, method)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -114,10 +156,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return handler
         method = details.method
 
-        def wrap_unary(behavior):
+        def wrap_unary(behavior, streaming_request: bool):
             async def call(request, context):
                 start = time.perf_counter()
                 try:
+                    if streaming_request:
+                        request = _checked_stream(request, method)
+                    else:
+                        request = _checked(request, method)
                     result = await behavior(request, context)
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
@@ -129,10 +175,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return call
 
-        def wrap_stream(behavior):
+        def wrap_stream(behavior, streaming_request: bool):
             async def call(request, context):
                 start = time.perf_counter()
                 try:
+                    if streaming_request:
+                        request = _checked_stream(request, method)
+                    else:
+                        request = _checked(request, method)
                     async for item in behavior(request, context):
                         yield item
                 except (grpc.aio.AbortError, asyncio.CancelledError):
@@ -145,16 +195,20 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return call
 
         kw = dict(
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_tolerant(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), **kw)
+            return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary, False), **kw)
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), **kw)
+            return grpc.stream_unary_rpc_method_handler(
+                wrap_unary(handler.stream_unary, True), **kw
+            )
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), **kw)
-        return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), **kw)
+            return grpc.unary_stream_rpc_method_handler(
+                wrap_stream(handler.unary_stream, False), **kw
+            )
+        return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream, True), **kw)
 
 
 class GrpcServer:
@@ -183,7 +237,8 @@ class GrpcServer:
     async def start(self) -> int:
         opts = self.options
         self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor()], options=channel_options(opts.max_message_mb)
+            interceptors=[ErrorInterceptor()],
+            options=channel_options(opts.max_message_mb) + SERVER_ONLY_OPTIONS,
         )
         self._register(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -196,9 +251,12 @@ class GrpcServer:
             self.server,
         )
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self.server.add_insecure_port(f"{opts.host}:{opts.port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{opts.host}:{opts.port}")
+        except RuntimeError:  # grpc >= 1.60 raises where older versions returned 0
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind {opts.host}:{opts.port}")
+            raise OSError(f"cannot bind {opts.host}:{opts.port} (port in use, or bad address)")
         await self.server.start()
         if opts.metrics_port is not None:
             self._metrics_httpd, _ = start_http_server(opts.metrics_port, addr=opts.host)
