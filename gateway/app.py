@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 
 from gateway.downstream import FlowClient
+from gateway.failover import RetryBudget
+from gateway.health import GatewayServer, StageHealth
 from gateway.inbound import InboundLimits
 from gateway.pipeline import PipelineLimits
 from gateway.routing import ReplicaSet
 from gateway.servicer import GatewayServicer, VoiceRegistry
 from token2wav.cli import EnvParser, add_server_flags
-from token2wav.server import GrpcServer, ServerOptions
+from token2wav.server import ServerOptions
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
 
 
@@ -68,6 +70,13 @@ def build_parser() -> EnvParser:
         help="cap in seconds on each downstream call's deadline",
     )
     p.flag("--flow-attempts", type=int, default=3, help="replicas a flow call tries on UNAVAILABLE")
+    p.flag(
+        "--retry-budget",
+        type=float,
+        default=0.2,
+        help="flow retries allowed per flow call, across all streams (plus 10 per second): "
+        "a stage that is down is not hit with every call times --flow-attempts",
+    )
     p.flag("--max-voices", type=int, default=1024, help="registered voices kept (LRU)")
     p.flag(
         "--first-tokens-timeout",
@@ -89,6 +98,14 @@ def build_parser() -> EnvParser:
         default=3,
         help="times a stream may move to another vocoder replica (replaying its mel) when "
         "its session is lost; 0 turns failover off",
+    )
+    p.flag(
+        "--health-check-interval",
+        type=float,
+        default=1.0,
+        help="seconds between grpc.health checks of every flow and vocoder replica; unhealthy "
+        "ones get calls only when no other is left, and the gateway reports NOT_SERVING while "
+        "a stage has no healthy replica; 0 turns the checks off",
     )
     return p
 
@@ -113,17 +130,18 @@ def create_server(args: argparse.Namespace):
         idle_timeout=args.input_idle_timeout,
     )
     servicer = GatewayServicer(
-        FlowClient(flows, args.flow_attempts),
+        FlowClient(flows, args.flow_attempts, RetryBudget(args.retry_budget)),
         vocoders,
         VoiceRegistry(args.max_voices),
         limits,
         args.max_streams,
         inbound,
     )
-    server = GrpcServer(
+    server = GatewayServer(
         ServerOptions.from_args(args),
         [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
         lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
+        health=StageHealth({"flow": flows, "vocoder": vocoders}, args.health_check_interval),
     )
 
     async def close() -> None:

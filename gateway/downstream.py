@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from gateway.failover import RetryBudget
 from gateway.routing import ReplicaSet
 from token2wav.errors import (
     Aborted,
@@ -50,6 +51,10 @@ def downstream_error(exc: grpc.aio.AioRpcError, what: str) -> Exception:
     return RuntimeError(f"{what} failed with {code.name}: {exc.details()}")
 
 
+# A replica that is down (UNAVAILABLE) or shutting down under the call (CANCELLED).
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+
+
 @dataclass
 class FlowOutput:
     mel: np.ndarray  # (80, frames) float32
@@ -81,9 +86,12 @@ class KnownVoices:
 
 
 class FlowClient:
-    def __init__(self, replicas: ReplicaSet, max_attempts: int = 3):
+    def __init__(
+        self, replicas: ReplicaSet, max_attempts: int = 3, budget: RetryBudget | None = None
+    ):
         self.replicas = replicas
         self.max_attempts = max_attempts
+        self.budget = budget or RetryBudget()
         self.known = KnownVoices()
 
     async def generate(
@@ -109,6 +117,7 @@ class FlowClient:
         voice_id = voice.voice_id
         last: grpc.aio.AioRpcError | None = None
         order = await self.replicas.round_robin()
+        self.budget.on_call()
         for attempt in range(self.max_attempts):
             addr = order[attempt % len(order)]
             stub = flow_pb2_grpc.FlowStub(self.replicas.channel(addr))
@@ -139,8 +148,10 @@ class FlowClient:
                 mel = decode(resp.mel, "mel", shape=(80, None))
                 t = resp.timing
                 return FlowOutput(mel, t.queue_ms, t.compute_ms, t.batch_size)
-            if last is None or last.code() != grpc.StatusCode.UNAVAILABLE:
-                break  # only UNAVAILABLE is worth another replica
+            if last is None or last.code() not in _RETRYABLE:
+                break  # only a replica that is down or shutting down is worth another one
+            if attempt + 1 == self.max_attempts or not self.budget.try_retry():
+                break
             logger.warning(
                 "flow replica %s unavailable (%s); retrying elsewhere", addr, last.details()
             )

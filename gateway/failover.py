@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Coroutine
 
 import grpc
@@ -68,3 +69,34 @@ def _finished(task: asyncio.Task) -> None:
 
 def count_failover(reason: str) -> None:
     metrics.VOCODER_FAILOVERS.labels(reason).inc()
+
+
+class RetryBudget:
+    """Retries allowed across all streams: `ratio` of the calls made plus `min_per_s`, saved up
+    to `cap`. When a stage is down, calls then fail after one attempt instead of multiplying
+    the load on the replicas left (a retry storm) by the number of attempts."""
+
+    def __init__(self, ratio: float = 0.2, min_per_s: float = 10.0, cap: float = 100.0):
+        self.ratio = ratio
+        self.min_per_s = min_per_s
+        self.cap = cap
+        self._tokens = cap
+        self._at = time.monotonic()
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self._tokens = min(self.cap, self._tokens + (now - self._at) * self.min_per_s)
+        self._at = now
+
+    def on_call(self) -> None:
+        self._refill()
+        self._tokens = min(self.cap, self._tokens + self.ratio)
+
+    def try_retry(self) -> bool:
+        self._refill()
+        if self._tokens < 1.0:
+            metrics.RETRIES.labels("budget_exhausted").inc()
+            return False
+        self._tokens -= 1.0
+        metrics.RETRIES.labels("retried").inc()
+        return True

@@ -18,3 +18,8 @@ VOCODER_FAILOVERS = Counter(
     "Streams moved to another vocoder session (mel replayed) after losing theirs, by reason",
     ["reason"],
 )
+RETRIES = Counter(
+    "t2w_gateway_flow_retries_total",
+    "Flow calls retried on another replica, and retries refused by the retry budget",
+    ["outcome"],
+)

@@ -81,6 +81,8 @@ class ReplicaSet:
         self._retiring: dict[asyncio.Task, grpc.aio.Channel] = {}
         self._next = 0
         self._lock = asyncio.Lock()
+        # Replicas that failed their last active health check (gateway/health.py): tried last.
+        self.unhealthy: set[str] = set()
 
     async def addresses(self) -> list[str]:
         if self._dns and time.monotonic() - self._resolved_at > self.refresh_s:
@@ -129,13 +131,20 @@ class ReplicaSet:
         addrs = await self.addresses()
         start = self._next % len(addrs)
         self._next += 1
-        return addrs[start:] + addrs[:start]
+        order = addrs[start:] + addrs[:start]
+        if not self.unhealthy:
+            return order
+        return [a for a in order if a not in self.unhealthy] + [
+            a for a in order if a in self.unhealthy
+        ]
 
     async def pick(self, key: str, exclude: set[str] | frozenset[str] = frozenset()) -> str:
         """The replica for `key`, skipping `exclude` (replicas that failed it) while another
         is known; with none left, the same replica again (it may have restarted)."""
         addrs = await self.addresses()
-        return rendezvous(key, [a for a in addrs if a not in exclude] or addrs)
+        usable = [a for a in addrs if a not in exclude]
+        healthy = [a for a in usable if a not in self.unhealthy]
+        return rendezvous(key, healthy or usable or addrs)
 
     @property
     def num_retiring(self) -> int:

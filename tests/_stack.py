@@ -5,7 +5,7 @@ on the same port, as a crashed pod would be."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,15 +22,23 @@ from vocoder_service.server import create_server as create_vocoder
 
 @dataclass
 class Stack:
-    hift: object
-    flow_server: object
-    engine: object
+    models: tuple
+    flows: list  # (flow server, engine) or None (killed)
+    flow_ports: list[int]
     vocoders: list  # VocoderServer or None (killed)
     vocoder_ports: list[int]
     gateway_server: object
     close_gateway: object
     vocoder_flags: tuple = ()
-    killed: set[int] = field(default_factory=set)
+    flow_flags: tuple = ()
+
+    @property
+    def flow_server(self):
+        return self.flows[0][0]
+
+    @property
+    def engine(self):
+        return self.flows[0][1]
 
     @property
     def target(self) -> str:
@@ -51,7 +59,15 @@ class Stack:
         await v.service.stop()
 
     async def start_vocoder(self, i: int) -> None:
-        self.vocoders[i] = await _vocoder(self.hift, self.vocoder_ports[i], self.vocoder_flags)
+        self.vocoders[i] = await _vocoder(self.models[1], self.vocoder_ports[i], self.vocoder_flags)
+
+    async def kill_flow(self, i: int) -> None:
+        (server, engine), self.flows[i] = self.flows[i], None
+        await server.server.stop(None)
+        await engine.stop()
+
+    async def start_flow(self, i: int) -> None:
+        self.flows[i] = await _flow(self.models[0], self.flow_ports[i], self.flow_flags)
 
     async def stop(self) -> None:
         await self.gateway_server.drain()
@@ -59,8 +75,10 @@ class Stack:
         for v in self.vocoders:
             if v is not None:
                 await v.drain()
-        await self.flow_server.drain()
-        await self.engine.stop()
+        for f in self.flows:
+            if f is not None:
+                await f[0].drain()
+                await f[1].stop()
 
 
 async def _vocoder(hift, port: int, flags=()):
@@ -71,15 +89,23 @@ async def _vocoder(hift, port: int, flags=()):
     return server
 
 
-async def start_stack(models, *gateway_flags, num_vocoders=1, vocoder_flags=(), flow_flags=()):
-    flow_model, hift = models
+async def _flow(flow_model, port: int, flags=()):
     fargs = flow_parser().parse_args(
-        ["--port", "0", "--metrics-port", "0", "--max-wait-ms", "2", *flow_flags]
+        ["--port", str(port), "--metrics-port", "0", "--max-wait-ms", "2", *flags]
     )
-    fserver, engine, _ = create_flow(fargs, model=flow_model)
-    await fserver.start()
+    server, engine, _ = create_flow(fargs, model=flow_model)
+    await server.start()
     engine.start()
-    await fserver.set_serving(True)
+    await server.set_serving(True)
+    return server, engine
+
+
+async def start_stack(
+    models, *gateway_flags, num_vocoders=1, num_flows=1, vocoder_flags=(), flow_flags=()
+):
+    flow_model, hift = models
+    flows = [await _flow(flow_model, 0, flow_flags) for _ in range(num_flows)]
+    flow_ports = [f[0].port for f in flows]
     vocoders = [await _vocoder(hift, 0, vocoder_flags) for _ in range(num_vocoders)]
     ports = [v.port for v in vocoders]
     gargs = gateway_parser().parse_args(
@@ -89,7 +115,7 @@ async def start_stack(models, *gateway_flags, num_vocoders=1, vocoder_flags=(), 
             "--metrics-port",
             "0",
             "--flow-addr",
-            f"127.0.0.1:{fserver.port}",
+            ",".join(f"127.0.0.1:{p}" for p in flow_ports),
             "--vocoder-addr",
             ",".join(f"127.0.0.1:{p}" for p in ports),
             *gateway_flags,
@@ -98,7 +124,17 @@ async def start_stack(models, *gateway_flags, num_vocoders=1, vocoder_flags=(), 
     gserver, close = create_gateway(gargs)
     await gserver.start()
     await gserver.set_serving(True)
-    return Stack(hift, fserver, engine, vocoders, ports, gserver, close, tuple(vocoder_flags))
+    return Stack(
+        models,
+        flows,
+        flow_ports,
+        vocoders,
+        ports,
+        gserver,
+        close,
+        tuple(vocoder_flags),
+        tuple(flow_flags),
+    )
 
 
 def stream_inputs(seed: int, n_prompt: int, n_tokens: int):

@@ -357,3 +357,74 @@ async def test_failover_budget_then_aborted(models):
         assert "127.0.0.1" not in info.value.details()
     finally:
         await stack.stop()
+
+
+# -- flow failover and recovery, health ------------------------------------------------------
+
+
+def count_calls(engine) -> list[int]:
+    calls = [0]
+    submit = engine.submit
+
+    async def counted(request, deadline):
+        calls[0] += 1
+        return await submit(request, deadline)
+
+    engine.submit = counted
+    return calls
+
+
+async def test_flow_replica_down_then_back_gets_traffic(models):
+    """A dead flow replica costs no stream (calls go to the other one), and once it is back it
+    gets calls again within about a health-check interval, not after gRPC's reconnect backoff."""
+    stack = await start_stack(models, "--health-check-interval", "0.2", num_flows=2)
+    try:
+        voice, tokens = stream_inputs(40, 10, 60)
+        async with AsyncClient(stack.target) as client:
+            await stack.kill_flow(0)
+            for _ in range(3):
+                assert audio(await collect(client, voice, tokens)).size == 60 * SAMPLES_PER_TOKEN
+            await stack.start_flow(0)
+            calls = count_calls(stack.flows[0][1])
+            back = time.monotonic()
+            while not calls[0] and time.monotonic() - back < 10:
+                assert audio(await collect(client, voice, tokens)).size == 60 * SAMPLES_PER_TOKEN
+        assert calls[0] > 0, "the restarted flow replica got no call in 10 s"
+    finally:
+        await stack.stop()
+
+
+async def next_status(watch) -> int:
+    return (await asyncio.wait_for(watch.__anext__(), 10)).status
+
+
+async def test_gateway_health_follows_its_stages(models):
+    """NOT_SERVING while no vocoder replica is reachable, SERVING again once one is back."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    serving, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
+    stack = await start_stack(models, "--health-check-interval", "0.1")
+    try:
+        async with grpc.aio.insecure_channel(stack.target) as ch:
+            watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest())
+            watch = watch.__aiter__()
+            assert await next_status(watch) == serving
+            await stack.kill_vocoder(0)
+            assert await next_status(watch) == not_serving
+            await stack.start_vocoder(0)
+            assert await next_status(watch) == serving
+    finally:
+        await stack.stop()
+
+
+def test_retry_budget_bounds_retries():
+    from gateway.failover import RetryBudget
+
+    budget = RetryBudget(ratio=0.1, min_per_s=0.0, cap=5.0)
+    assert sum(budget.try_retry() for _ in range(20)) == 5  # the saved-up cap
+    for _ in range(30):
+        budget.on_call()
+    assert sum(budget.try_retry() for _ in range(20)) == 3  # 10% of 30 calls
