@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from gateway.clients import ClientStreams
 from gateway.downstream import FlowClient
 from gateway.failover import RetryBudget
 from gateway.health import GatewayServer, StageHealth
@@ -24,7 +25,8 @@ def build_parser() -> EnvParser:
         "utterance; chunks it, pipelines flow and vocoder, returns ordered "
         "audio.",
     )
-    add_server_flags(p, port=50051, metrics_port=9101)
+    # largest legal message: a float32 audio chunk of 1003 tokens (max hop 1000 + 3): 3.9 MB
+    add_server_flags(p, port=50051, metrics_port=9101, max_message_mb=8)
     p.flag(
         "--flow-addr",
         default="127.0.0.1:50052",
@@ -79,6 +81,20 @@ def build_parser() -> EnvParser:
     )
     p.flag("--max-voices", type=int, default=1024, help="registered voices kept (LRU)")
     p.flag(
+        "--max-streams-per-client",
+        type=int,
+        default=0,
+        help="concurrent streams one client may hold (its auth identity, else its peer host: "
+        "behind a proxy use auth); past it RESOURCE_EXHAUSTED; 0: no per-client bound",
+    )
+    p.flag(
+        "--max-voices-per-client",
+        type=int,
+        default=0,
+        help="registered voices one client may hold; its oldest is evicted past it (never "
+        "another client's); 0: only --max-voices",
+    )
+    p.flag(
         "--first-tokens-timeout",
         type=float,
         default=30.0,
@@ -132,10 +148,11 @@ def create_server(args: argparse.Namespace):
     servicer = GatewayServicer(
         FlowClient(flows, args.flow_attempts, RetryBudget(args.retry_budget)),
         vocoders,
-        VoiceRegistry(args.max_voices),
+        VoiceRegistry(args.max_voices, args.max_voices_per_client),
         limits,
         args.max_streams,
         inbound,
+        ClientStreams(args.max_streams_per_client),
     )
     server = GatewayServer(
         ServerOptions.from_args(args),

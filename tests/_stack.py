@@ -44,6 +44,11 @@ class Stack:
     def target(self) -> str:
         return f"127.0.0.1:{self.gateway_server.port}"
 
+    def gateway_server_streams(self) -> int:
+        from gateway import metrics
+
+        return int(metrics.ACTIVE_STREAMS._value.get())
+
     def sessions(self, i: int) -> set[str]:
         """Open sessions on vocoder i, by the client request id they serve."""
         v = self.vocoders[i]

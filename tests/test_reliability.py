@@ -428,3 +428,83 @@ def test_retry_budget_bounds_retries():
     for _ in range(30):
         budget.on_call()
     assert sum(budget.try_retry() for _ in range(20)) == 3  # 10% of 30 calls
+
+
+# -- limits ----------------------------------------------------------------------------------
+
+
+async def test_streams_per_client_are_bounded(models):
+    stack = await start_stack(models, "--max-streams-per-client", "2")
+    try:
+        voice, tokens = stream_inputs(50, 10, 30)
+        async with AsyncClient(stack.target) as client:
+            held = [client.stream(voice, audio_format="float32") for _ in range(2)]
+            for s in held:
+                await s.send(tokens[:5])  # admitted, then idle: both slots taken
+            while stack.gateway_server_streams() < 2:
+                await asyncio.sleep(0.01)
+            third = await collect(client, voice, tokens)
+            assert isinstance(third, grpc.aio.AioRpcError) and third.code() == RE
+            assert "--max-streams-per-client" in third.details()
+            for s in held:
+                s.cancel()
+            # the slots come back
+            while stack.gateway_server_streams():
+                await asyncio.sleep(0.01)
+            assert audio(await collect(client, voice, tokens)).size == 30 * SAMPLES_PER_TOKEN
+    finally:
+        await stack.stop()
+
+
+def test_voices_are_owned_by_their_clients():
+    from gateway.servicer import VoiceRegistry
+    from token2wav.errors import NotFound
+
+    reg = VoiceRegistry(max_voices=100, max_per_client=2)
+    voices = [stream_inputs(60 + i, 5, 1)[0] for i in range(4)]
+    a0, _ = reg.register(voices[0], "a")
+    shared, created = reg.register(voices[1], "a")
+    assert created
+    assert reg.register(voices[1], "b") == (shared, True)  # b registers the same voice
+    with pytest.raises(NotFound):
+        reg.get(a0, "b")  # not b's: as if unknown
+    with pytest.raises(NotFound):
+        reg.delete(a0, "b")
+    # b past its quota evicts only its own voices
+    for v in voices[2:]:
+        reg.register(v, "b")
+    assert reg.get(a0, "a") is voices[0]
+    assert reg.get(shared, "a") is voices[1]
+    with pytest.raises(NotFound):
+        reg.get(shared, "b")  # b's oldest, evicted from b only
+    reg.delete(shared, "a")
+    with pytest.raises(NotFound):
+        reg.get(shared, "a")
+
+
+def test_message_caps_fit_the_largest_legal_messages():
+    from flow_service.app import build_parser as flow_parser
+    from gateway.app import build_parser as gateway_parser
+    from token2wav import MAX_FRAMES, MAX_PROMPT_TOKENS
+    from token2wav.tensors import make_voice
+    from vocoder_service.__main__ import build_parser as vocoder_parser
+
+    caps = {
+        name: build().parse_args([]).max_message_mb << 20
+        for name, build in [
+            ("gateway", gateway_parser),
+            ("flow", flow_parser),
+            ("vocoder", vocoder_parser),
+        ]
+    }
+    n = MAX_PROMPT_TOKENS  # the largest voice, with 300 s of tokens: the largest flow call
+    voice = make_voice(
+        np.zeros(n, np.int64), np.zeros((2 * n, 80), np.float32), np.ones(192, np.float32)
+    )
+    flow_call = len(voice.to_proto().SerializeToString()) + MAX_FRAMES // 2 * 4
+    gateway_audio = 1003 * SAMPLES_PER_TOKEN * 4  # float32 chunk at the largest hop
+    vocoder_audio = MAX_FRAMES * 480 * 4  # a 300 s non-streaming chunk
+    flow_mel = 2 * 1003 * 80 * 4  # the mel of a 1003-token chunk
+    largest = {"gateway": gateway_audio, "flow": max(flow_call, flow_mel), "vocoder": vocoder_audio}
+    for name, size in largest.items():
+        assert size < caps[name] <= 4 * size, (name, size, caps[name])

@@ -20,7 +20,8 @@ from vocoder_service.server import VocoderServer, VocoderService
 
 def build_parser() -> EnvParser:
     p = EnvParser("VOCODER", prog="python -m vocoder_service", description=__doc__)
-    add_server_flags(p, port=50053, metrics_port=9103)
+    # largest legal message: the audio of a 300 s non-streaming chunk (28.8 MB of float32)
+    add_server_flags(p, port=50053, metrics_port=9103, max_message_mb=32)
     s, b = SessionConfig(), BatcherConfig()
     p.flag("--model-dir", default=None, help="directory with the official hift.pt; unset: random")
     p.flag(
