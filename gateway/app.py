@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from gateway.clients import ClientStreams
 from gateway.downstream import FlowClient
@@ -13,6 +14,7 @@ from gateway.pipeline import PipelineLimits
 from gateway.routing import ReplicaSet
 from gateway.servicer import GatewayServicer, VoiceRegistry
 from token2wav.cli import EnvParser, add_server_flags
+from token2wav.security import TokenAuth, channel_credentials, load_tokens
 from token2wav.server import ServerOptions
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -116,6 +118,23 @@ def build_parser() -> EnvParser:
         "its session is lost; 0 turns failover off",
     )
     p.flag(
+        "--auth-tokens",
+        help="file of bearer tokens, one `NAME TOKEN [METHOD,...]` per line: calls without a "
+        "listed token get UNAUTHENTICATED, methods the token does not list PERMISSION_DENIED; "
+        "NAME is the client for the per-client limits (unset: no authentication)",
+    )
+    p.flag(
+        "--internal-ca",
+        help="PEM CA that signed the flow and vocoder replicas' certificates: talk TLS to them",
+    )
+    p.flag("--internal-cert", help="PEM client certificate the gateway shows them (mutual TLS)")
+    p.flag("--internal-key", help="PEM private key of --internal-cert")
+    p.flag(
+        "--internal-server-name",
+        help="name in the replicas' certificates, when they are dialled by IP or a DNS name "
+        "their certificates do not carry",
+    )
+    p.flag(
         "--health-check-interval",
         type=float,
         default=1.0,
@@ -127,10 +146,15 @@ def build_parser() -> EnvParser:
 
 
 def create_server(args: argparse.Namespace):
+    credentials = None
+    if args.internal_ca or args.internal_cert:
+        credentials = channel_credentials(args.internal_ca, args.internal_cert, args.internal_key)
     routing = dict(
         refresh_s=args.resolve_interval,
         max_message_mb=args.max_message_mb,
         retire_grace_s=args.retire_grace,
+        credentials=credentials,
+        server_name=args.internal_server_name,
     )
     flows = ReplicaSet(args.flow_addr, **routing)
     vocoders = ReplicaSet(args.vocoder_addr, **routing)
@@ -154,8 +178,13 @@ def create_server(args: argparse.Namespace):
         inbound,
         ClientStreams(args.max_streams_per_client),
     )
+    options = ServerOptions.from_args(args)
+    if args.auth_tokens:
+        options = dataclasses.replace(
+            options, interceptors=(TokenAuth(load_tokens(args.auth_tokens)),)
+        )
     server = GatewayServer(
-        ServerOptions.from_args(args),
+        options,
         [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
         lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
         health=StageHealth({"flow": flows, "vocoder": vocoders}, args.health_check_interval),

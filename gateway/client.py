@@ -30,9 +30,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from gateway.inbound import DETAILS_KEY, STATUS_KEY
 from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner, ScheduleConfig
 from token2wav import SAMPLE_RATE, SAMPLES_PER_TOKEN
+from token2wav.errors import DETAILS_KEY, STATUS_KEY
+from token2wav.security import channel_credentials
 from token2wav.server import channel_options
 from token2wav.tensors import VoiceData, make_voice
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
@@ -113,15 +114,33 @@ def honest_error(exc: grpc.RpcError) -> grpc.RpcError:
     )
 
 
+def _open_channel(grpc_api, target: str, tls_ca, token, server_name):
+    """(channel, call metadata) for a gateway connection; `grpc_api` is grpc or grpc.aio."""
+    options = channel_options()
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    if not tls_ca:
+        return grpc_api.insecure_channel(target, options=options), metadata
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return grpc_api.secure_channel(target, channel_credentials(tls_ca), options=options), metadata
+
+
 class AsyncStream:
     """One Synthesize stream. Send tokens as they come, then `end()`; iterate the audio."""
 
     def __init__(
-        self, stub, voice, audio_format="float32", request_id="", schedule=None, timeout=None
+        self,
+        stub,
+        voice,
+        audio_format="float32",
+        request_id="",
+        schedule=None,
+        timeout=None,
+        metadata=(),
     ):
         self._requests: asyncio.Queue = asyncio.Queue()
         self._requests.put_nowait(_config(voice, audio_format, request_id, schedule))
-        self._call = stub.Synthesize(self._iter_requests(), timeout=timeout)
+        self._call = stub.Synthesize(self._iter_requests(), timeout=timeout, metadata=metadata)
 
     async def _iter_requests(self):
         while True:
@@ -153,8 +172,19 @@ class AsyncStream:
 
 
 class AsyncClient:
-    def __init__(self, target: str = "127.0.0.1:50051"):
-        self.channel = grpc.aio.insecure_channel(target, options=channel_options())
+    """`tls_ca`: verify the gateway's TLS certificate with this CA file (None: plaintext);
+    `token`: bearer token for a gateway run with --auth-tokens; `server_name`: the name in the
+    gateway's certificate when `target` is an IP."""
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        tls_ca: str | None = None,
+        token: str | None = None,
+        server_name: str | None = None,
+    ):
+        self.channel, self.metadata = _open_channel(grpc.aio, target, tls_ca, token, server_name)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     async def __aenter__(self):
@@ -164,27 +194,38 @@ class AsyncClient:
         await self.channel.close()
 
     def stream(self, voice: VoiceData | str, **kw) -> AsyncStream:
-        return AsyncStream(self.stub, voice, **kw)
+        return AsyncStream(self.stub, voice, metadata=self.metadata, **kw)
 
     async def register_voice(self, voice: VoiceData) -> str:
         resp = await self.stub.RegisterVoice(
-            gateway_pb2.RegisterVoiceRequest(voice=voice.to_proto())
+            gateway_pb2.RegisterVoiceRequest(voice=voice.to_proto()), metadata=self.metadata
         )
         return resp.voice_id
 
     async def delete_voice(self, voice_id: str) -> None:
-        await self.stub.DeleteVoice(gateway_pb2.DeleteVoiceRequest(voice_id=voice_id))
+        await self.stub.DeleteVoice(
+            gateway_pb2.DeleteVoiceRequest(voice_id=voice_id), metadata=self.metadata
+        )
 
 
 class Stream:
     """The synchronous twin of AsyncStream (gRPC reads the request queue on its own thread)."""
 
     def __init__(
-        self, stub, voice, audio_format="float32", request_id="", schedule=None, timeout=None
+        self,
+        stub,
+        voice,
+        audio_format="float32",
+        request_id="",
+        schedule=None,
+        timeout=None,
+        metadata=(),
     ):
         self._requests: queue.Queue = queue.Queue()
         self._requests.put(_config(voice, audio_format, request_id, schedule))
-        self._call = stub.Synthesize(iter(self._requests.get, None), timeout=timeout)
+        self._call = stub.Synthesize(
+            iter(self._requests.get, None), timeout=timeout, metadata=metadata
+        )
 
     def send(self, tokens: Iterable[int]) -> None:
         ids = [int(t) for t in tokens]
@@ -209,8 +250,17 @@ class Stream:
 
 
 class Client:
-    def __init__(self, target: str = "127.0.0.1:50051"):
-        self.channel = grpc.insecure_channel(target, options=channel_options())
+    """The synchronous twin of AsyncClient (same arguments)."""
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        tls_ca: str | None = None,
+        token: str | None = None,
+        server_name: str | None = None,
+    ):
+        self.channel, self.metadata = _open_channel(grpc, target, tls_ca, token, server_name)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     def __enter__(self):
@@ -220,15 +270,17 @@ class Client:
         self.channel.close()
 
     def stream(self, voice: VoiceData | str, **kw) -> Stream:
-        return Stream(self.stub, voice, **kw)
+        return Stream(self.stub, voice, metadata=self.metadata, **kw)
 
     def register_voice(self, voice: VoiceData) -> str:
         return self.stub.RegisterVoice(
-            gateway_pb2.RegisterVoiceRequest(voice=voice.to_proto())
+            gateway_pb2.RegisterVoiceRequest(voice=voice.to_proto()), metadata=self.metadata
         ).voice_id
 
     def delete_voice(self, voice_id: str) -> None:
-        self.stub.DeleteVoice(gateway_pb2.DeleteVoiceRequest(voice_id=voice_id))
+        self.stub.DeleteVoice(
+            gateway_pb2.DeleteVoiceRequest(voice_id=voice_id), metadata=self.metadata
+        )
 
     def synthesize(self, voice: VoiceData | str, tokens, **kw) -> np.ndarray:
         stream = self.stream(voice, **kw)

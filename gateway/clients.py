@@ -7,14 +7,10 @@ off there, or turn authentication on).
 
 from __future__ import annotations
 
-import contextvars
-
 import grpc
 
 from token2wav.errors import ResourceExhausted
-
-# The caller's authenticated identity; set by the auth interceptor around each handler.
-identity_var: contextvars.ContextVar[str] = contextvars.ContextVar("identity", default="")
+from token2wav.security import identity_var
 
 
 def peer_host(context: grpc.aio.ServicerContext) -> str:

@@ -18,9 +18,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import grpc
-
-from token2wav.errors import DeadlineExceeded, scrub, status_for
+from token2wav.errors import DeadlineExceeded
 
 _EOF = object()  # the client half-closed
 
@@ -97,19 +95,3 @@ class Inbound:
     async def close(self) -> None:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
-
-
-STATUS_KEY = "t2w-status"  # initial metadata of a refused stream: the status code's name
-DETAILS_KEY = "t2w-details"  # ... and its message (ASCII)
-
-
-async def announce_status(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    """Send a refusal's status in the initial metadata too, so a client that still loses the
-    race of grpc/grpc#36066 can recover it (`gateway.client.honest_error`)."""
-    mapped = status_for(exc)
-    code, details = mapped if mapped else (grpc.StatusCode.INTERNAL, "internal error")
-    text = scrub(details).encode("ascii", "backslashreplace").decode()[:512]
-    try:
-        await context.send_initial_metadata(((STATUS_KEY, code.name), (DETAILS_KEY, text)))
-    except Exception:  # noqa: BLE001 - metadata already sent (audio went out): nothing to add
-        pass

@@ -66,11 +66,16 @@ class ReplicaSet:
         refresh_s: float = 5.0,
         max_message_mb: int = 64,
         retire_grace_s: float = 330.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        server_name: str | None = None,
     ):
         self.spec = spec
         self._static, self._dns = parse_spec(spec)
         self.refresh_s = refresh_s
         self._options = channel_options(max_message_mb) + RECONNECT_OPTIONS
+        self._credentials = credentials  # None: plaintext
+        if server_name:  # replicas dialled by IP whose certificates carry a name
+            self._options.append(("grpc.ssl_target_name_override", server_name))
         self._addresses: list[str] = list(self._static)
         self._resolved_at = -1e9
         self._channels: dict[str, grpc.aio.Channel] = {}  # address -> channel
@@ -123,7 +128,11 @@ class ReplicaSet:
     def channel(self, addr: str) -> grpc.aio.Channel:
         ch = self._channels.get(addr)
         if ch is None:
-            ch = self._channels[addr] = grpc.aio.insecure_channel(addr, options=self._options)
+            if self._credentials is not None:
+                ch = grpc.aio.secure_channel(addr, self._credentials, options=self._options)
+            else:
+                ch = grpc.aio.insecure_channel(addr, options=self._options)
+            self._channels[addr] = ch
         return ch
 
     async def round_robin(self) -> list[str]:

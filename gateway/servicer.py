@@ -10,11 +10,17 @@ from collections import OrderedDict
 from gateway import metrics
 from gateway.clients import ClientStreams, client_of
 from gateway.downstream import FlowClient
-from gateway.inbound import Inbound, InboundLimits, announce_status
+from gateway.inbound import Inbound, InboundLimits
 from gateway.pipeline import PipelineLimits, StreamPipeline, StreamSetup
 from gateway.routing import ReplicaSet
 from gateway.schedule import ScheduleConfig
-from token2wav.errors import InvalidArgument, NotFound, ResourceExhausted, check_request_id
+from token2wav.errors import (
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    announce_status,
+    check_request_id,
+)
 from token2wav.server import request_id_var
 from token2wav.tensors import VoiceData, decode_voice
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc

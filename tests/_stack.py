@@ -13,10 +13,9 @@ from flow_service.app import build_parser as flow_parser
 from flow_service.app import create_server as create_flow
 from gateway.app import build_parser as gateway_parser
 from gateway.app import create_server as create_gateway
-from token2wav.server import ServerOptions
 from token2wav.tensors import make_voice
 from vocoder_service.__main__ import build_parser as vocoder_parser
-from vocoder_service.__main__ import config_from_args
+from vocoder_service.__main__ import config_from_args, server_options
 from vocoder_service.server import create_server as create_vocoder
 
 
@@ -88,9 +87,7 @@ class Stack:
 
 async def _vocoder(hift, port: int, flags=()):
     vargs = vocoder_parser().parse_args(["--port", str(port), "--metrics-port", "0", *flags])
-    server, _ = await create_vocoder(
-        ServerOptions.from_args(vargs), config_from_args(vargs), model=hift
-    )
+    server, _ = await create_vocoder(server_options(vargs), config_from_args(vargs), model=hift)
     return server
 
 

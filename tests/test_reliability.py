@@ -19,9 +19,8 @@ from flow_service import metrics as flow_metrics
 from flow_service.model import load_flow
 from gateway.client import AsyncClient, honest_error
 from gateway.downstream import downstream_error
-from gateway.inbound import DETAILS_KEY, STATUS_KEY
 from token2wav import SAMPLES_PER_TOKEN
-from token2wav.errors import scrub
+from token2wav.errors import DETAILS_KEY, STATUS_KEY, scrub
 from vocoder_service.model import load_hift
 
 torch.set_num_threads(1)

@@ -83,4 +83,18 @@ def add_server_flags(
         help="largest gRPC message, MiB, each way; the default fits this service's largest "
         "legal message with room to spare, so no message can balloon memory",
     )
+    parser.flag("--tls-cert", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
+    parser.flag(
+        "--tls-key", help="PEM private key of --tls-cert; both files are re-read when they change"
+    )
+    parser.flag(
+        "--tls-client-ca",
+        help="PEM CA: demand a client certificate signed by it (mutual TLS)",
+    )
+    parser.flag(
+        "--reflection",
+        type=bool,
+        default=True,
+        help="serve gRPC reflection (grpcurl can list the API); turn off in production",
+    )
     parser.flag("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)")

@@ -101,3 +101,20 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     if isinstance(exc, ValueError) and getattr(exc, "field", None):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     return None
+
+
+STATUS_KEY = "t2w-status"  # initial metadata of a refused stream: the status code's name
+DETAILS_KEY = "t2w-details"  # ... and its message (ASCII)
+
+
+async def announce_status(context, exc: BaseException) -> None:
+    """Send a refusal's status in the initial metadata too, before the call ends: a grpc.aio
+    client still writing when the call ends gets `INTERNAL: Internal error from Core` instead
+    of our status (grpc/grpc#36066), and `gateway.client.honest_error` recovers it from there."""
+    mapped = status_for(exc)
+    code, details = mapped if mapped else (grpc.StatusCode.INTERNAL, "internal error")
+    text = details.encode("ascii", "backslashreplace").decode()[:512]
+    try:
+        await context.send_initial_metadata(((STATUS_KEY, code.name), (DETAILS_KEY, text)))
+    except Exception:  # noqa: BLE001 - metadata already sent (responses went out): nothing to add
+        pass

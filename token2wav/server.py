@@ -22,7 +22,8 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram, start_http_server
 
-from token2wav.errors import BadMessage, scrub, status_for
+from token2wav.errors import BadMessage, status_for
+from token2wav.security import server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,17 @@ class ServerOptions:
     grace_period: float = 30.0  # s for in-flight calls after SIGTERM
     drain_delay: float = 0.0  # s of NOT_SERVING before the listener closes
     max_message_mb: int = 64
+    tls_cert: str | None = None  # PEM files; both set: TLS on the gRPC listener
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # set: mutual TLS, clients need a cert signed by this CA
+    reflection: bool = True
+    interceptors: tuple = ()  # e.g. authentication; they run inside the error mapping
+
+    def __post_init__(self):
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
 
     @classmethod
     def from_args(cls, args) -> ServerOptions:
@@ -59,6 +71,10 @@ class ServerOptions:
             args.grace_period,
             args.drain_delay,
             args.max_message_mb,
+            getattr(args, "tls_cert", None),
+            getattr(args, "tls_key", None),
+            getattr(args, "tls_client_ca", None),
+            getattr(args, "reflection", True),
         )
 
 
@@ -109,7 +125,7 @@ async def _fail(context: grpc.aio.ServicerContext, method: str, exc: Exception):
     elif isinstance(exc, BadMessage):
         logger.warning("%s from %s: %s", method, context.peer(), exc.message)  # one line
     RPC_CALLS.labels(method, mapped[0].name).inc()
-    await context.abort(mapped[0], scrub(mapped[1]))
+    await context.abort(mapped[0], mapped[1])
 
 
 class _Undecodable:
@@ -237,22 +253,28 @@ class GrpcServer:
     async def start(self) -> int:
         opts = self.options
         self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor()],
+            interceptors=[ErrorInterceptor(), *opts.interceptors],
             options=channel_options(opts.max_message_mb) + SERVER_ONLY_OPTIONS,
         )
         self._register(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [
-                *self.service_names,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ],
-            self.server,
-        )
+        if opts.reflection:
+            reflection.enable_server_reflection(
+                [
+                    *self.service_names,
+                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                    reflection.SERVICE_NAME,
+                ],
+                self.server,
+            )
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        address = f"{opts.host}:{opts.port}"
         try:
-            self.port = self.server.add_insecure_port(f"{opts.host}:{opts.port}")
+            if opts.tls_cert:
+                creds = server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)
+                self.port = self.server.add_secure_port(address, creds)
+            else:
+                self.port = self.server.add_insecure_port(address)
         except RuntimeError:  # grpc >= 1.60 raises where older versions returned 0
             self.port = 0
         if self.port == 0:
@@ -262,7 +284,11 @@ class GrpcServer:
             self._metrics_httpd, _ = start_http_server(opts.metrics_port, addr=opts.host)
             self.metrics_port = self._metrics_httpd.server_port
         logger.info(
-            "listening on %s:%d (metrics %s)", opts.host, self.port, self.metrics_port or "off"
+            "listening on %s:%d (%s; metrics %s)",
+            opts.host,
+            self.port,
+            ("mutual TLS" if opts.tls_client_ca else "TLS") if opts.tls_cert else "plaintext",
+            self.metrics_port or "off",
         )
         return self.port
 

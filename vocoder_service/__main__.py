@@ -4,10 +4,12 @@ session per stream, batched across sessions. Every flag mirrors a VOCODER_* env 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 
 from token2wav.cli import EnvParser, add_server_flags
+from token2wav.security import PeerCertAuth
 from token2wav.server import ServerOptions, setup_logging
 from vocoder_service.config import (
     BatcherConfig,
@@ -46,7 +48,28 @@ def build_parser() -> EnvParser:
         help="sessions per HiFT step; 1 turns batching across sessions off",
     )
     p.flag("--max-wait-ms", type=float, default=b.max_wait_ms, help="wait for a fuller step")
+    p.flag(
+        "--control-clients",
+        default="",
+        help="comma-separated names (certificate CN or DNS SAN): only peers with a verified "
+        "client certificate naming one may call CancelSession, ExportSession, ImportSession "
+        "(needs --tls-client-ca); unset: anyone who can connect",
+    )
     return p
+
+
+CONTROL_METHODS = ("CancelSession", "ExportSession", "ImportSession")
+
+
+def server_options(args) -> ServerOptions:
+    """The listener's options, with the control-call check when --control-clients is set."""
+    options = ServerOptions.from_args(args)
+    names = [n.strip() for n in args.control_clients.split(",") if n.strip()]
+    if not names:
+        return options
+    if not options.tls_client_ca:
+        raise ValueError("--control-clients needs mutual TLS (--tls-client-ca)")
+    return dataclasses.replace(options, interceptors=(PeerCertAuth(CONTROL_METHODS, names),))
 
 
 def config_from_args(args) -> VocoderServiceConfig:
@@ -72,11 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level, "vocoder")
     try:
         config = config_from_args(args)
+        options = server_options(args)
     except ValueError as exc:
         parser.error(str(exc))
 
     async def run() -> None:
-        server = VocoderServer(ServerOptions.from_args(args), VocoderService(config))
+        server = VocoderServer(options, VocoderService(config))
         await server.run(server.warmup)
 
     try:
