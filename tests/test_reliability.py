@@ -244,25 +244,26 @@ async def test_cancelled_clients_leave_nothing_behind(models, caplog):
     recorded = caught.__enter__()
     warnings.simplefilter("always")
     try:
-        async with AsyncClient(stack.target) as client:
-            for round_ in range(3):
-                streams = []
-                for i in range(6):
-                    voice, tokens = stream_inputs(10 + i, 10, 200)
-                    s = client.stream(voice, audio_format="float32", request_id=f"k{round_}-{i}")
-                    await s.send(tokens)
-                    streams.append(s)
-                firsts = [asyncio.ensure_future(s.__aiter__().__anext__()) for s in streams]
-                await asyncio.wait(firsts, return_when=asyncio.FIRST_COMPLETED)
+        for round_ in range(4):
+            # even rounds cancel each call; odd ones drop the whole connection (a killed process)
+            client = AsyncClient(stack.target)
+            streams = []
+            for i in range(6):
+                voice, tokens = stream_inputs(10 + i, 10, 200)
+                s = client.stream(voice, audio_format="float32", request_id=f"k{round_}-{i}")
+                await s.send(tokens)
+                streams.append(s)
+            firsts = [asyncio.ensure_future(s.__aiter__().__anext__()) for s in streams]
+            await asyncio.wait(firsts, return_when=asyncio.FIRST_COMPLETED)
+            if round_ % 2 == 0:
                 for s in streams:
                     s.cancel()
-                await asyncio.gather(*firsts, return_exceptions=True)
-                deadline = time.monotonic() + 2.0
-                while stack.sessions(0) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.02)
-                assert not stack.sessions(0), (
-                    f"sessions outlived their clients: {stack.sessions(0)}"
-                )
+            await client.channel.close()
+            await asyncio.gather(*firsts, return_exceptions=True)
+            deadline = time.monotonic() + 2.0
+            while stack.sessions(0) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert not stack.sessions(0), f"sessions outlived their clients: {stack.sessions(0)}"
         deadline = time.monotonic() + 30.0  # a running CPU batch may hold the loop a while
         while len(stack.engine.scheduler) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -524,3 +525,15 @@ def test_soak_counts_lost_and_duplicated_samples():
     assert (tally.samples_lost, tally.samples_duplicated) == (480, 480)
     account([chunk(0, 960)], 2, tally)  # ended short
     assert tally.samples_lost == 480 + 960
+
+
+async def test_gateway_without_health_checks_serves(models):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stack = await start_stack(models, "--health-check-interval", "0")
+    try:
+        async with grpc.aio.insecure_channel(stack.target) as ch:
+            resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await stack.stop()

@@ -228,3 +228,25 @@ def test_compose_tls_overlay(tmp_path):
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
+
+
+def test_certificate_files_are_reloaded_when_they_change(pki, tmp_path):
+    import os
+    import shutil
+
+    from token2wav.security import _ReloadingCert
+
+    certs, _ = pki
+    crt, key = tmp_path / "s.crt", tmp_path / "s.key"
+    shutil.copy(certs["server"][0], crt)
+    shutil.copy(certs["server"][1], key)
+    reloading = _ReloadingCert(str(crt), str(key), None)
+    assert reloading.fetch() is None  # unchanged: grpc keeps the current pair
+    shutil.copy(certs["gateway"][0], crt)
+    shutil.copy(certs["gateway"][1], key)
+    os.utime(crt, ns=(1, 1))  # a distinct mtime even on coarse clocks
+    assert reloading.fetch() is not None
+    assert reloading.fetch() is None
+    key.write_text("half-written")  # unreadable pair: keep serving the old one
+    os.utime(key, ns=(2, 2))
+    reloading.fetch()  # must not raise (grpc parses the PEM itself)
