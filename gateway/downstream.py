@@ -150,6 +150,7 @@ class FlowClient:
                 return FlowOutput(mel, t.queue_ms, t.compute_ms, t.batch_size)
             if last is None or last.code() not in _RETRYABLE:
                 break  # only a replica that is down or shutting down is worth another one
+            self.replicas.eject(addr)
             if attempt + 1 == self.max_attempts or not self.budget.try_retry():
                 break
             logger.warning(

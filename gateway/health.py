@@ -46,6 +46,8 @@ class StageHealth:
         self.interval = interval
         self.timeout = min(timeout, interval)
         self.down: set[str] = set()  # stages without a healthy replica
+        for replicas in stages.values():
+            replicas.health_checked = interval > 0
         self.all_seen = False  # some round found every replica healthy
 
     def next_check_in(self) -> float:

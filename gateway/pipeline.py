@@ -330,6 +330,8 @@ class StreamPipeline:
                 self.num_failovers += 1
                 count_failover(lost.reason)
                 lost_on.add(lost.addr)
+                if lost.reason in ("UNAVAILABLE", "CANCELLED"):
+                    self.vocoders.eject(lost.addr)  # other streams avoid it too
                 self._cancel_session(lost.addr, self.session_id)  # it may still hold state
                 self.session_id = self._new_session_id()
                 logger.info(

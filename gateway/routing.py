@@ -88,6 +88,7 @@ class ReplicaSet:
         self._lock = asyncio.Lock()
         # Replicas that failed their last active health check (gateway/health.py): tried last.
         self.unhealthy: set[str] = set()
+        self.health_checked = False  # set by gateway/health.py when it checks these replicas
 
     async def addresses(self) -> list[str]:
         if self._dns and time.monotonic() - self._resolved_at > self.refresh_s:
@@ -134,6 +135,12 @@ class ReplicaSet:
                 ch = grpc.aio.insecure_channel(addr, options=self._options)
             self._channels[addr] = ch
         return ch
+
+    def eject(self, addr: str) -> None:
+        """A call found `addr` down: try it last until the next health round finds it SERVING
+        (passive outlier ejection; a no-op without health checks, which would never undo it)."""
+        if self.health_checked:
+            self.unhealthy = self.unhealthy | {addr}
 
     async def round_robin(self) -> list[str]:
         """All addresses, starting at the next one in turn (the rest are retry targets)."""
