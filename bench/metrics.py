@@ -51,6 +51,7 @@ class StreamRecord:
     arrivals: list[float] = field(default_factory=list)  # [num_chunks]
     timings: list[tuple[float, ...]] = field(default_factory=list)  # [num_chunks] TIMING_FIELDS
     final_seen: bool = False
+    closed: float = 0.0  # the stream ended (last chunk, or its error) as the client saw it
     status: str = "OK"  # a grpc.StatusCode name, or CLIENT_<exception> for a load-generator error
     detail: str = ""
 
@@ -246,6 +247,8 @@ def stream_summary(rec: StreamRecord, t0: float) -> dict:
     }
     if rec.detail:
         out["detail"] = rec.detail[:300]
+    if rec.closed:
+        out["closed_ms"] = (rec.closed - rec.opened) * 1e3  # e.g. how fast a refusal came
     if rec.arrivals:
         out["first_chunk_ms"] = (rec.arrivals[0] - rec.ready_at(rec.seqs[0])) * 1e3
         out["e2e_ms"] = (rec.arrivals[-1] - rec.opened) * 1e3

@@ -31,6 +31,7 @@ class StackError(RuntimeError):
 class StackConfig:
     device: str = "cpu"
     dtype: str = "float32"
+    vocoder_dtype: str = ""  # the vocoder's --dtype; empty: `dtype` (e.g. bf16 flow, fp32 HiFT)
     preset: str = "small"
     batching: bool = True
     model_dir: str = ""  # official flow.pt / hift.pt; empty: seeded random weights of `preset`
@@ -96,6 +97,7 @@ class Stack:
         flow = [*model, *c.flow_args, *([] if c.batching else ["--max-batch-size", "1"])]
         vocoder = [
             *model,
+            *(["--dtype", c.vocoder_dtype] if c.vocoder_dtype else []),
             *c.vocoder_args,
             *([] if c.batching else ["--max-batch-sessions", "1"]),
         ]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 
 from flow_service.app import build_parser, create_server
+from token2wav.cli import check_device, check_ports, run_main
 from token2wav.server import setup_logging
 
 
@@ -21,12 +21,13 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             await engine.stop()
 
-    try:
+    def body() -> None:
+        check_ports(args)
+        check_device(args.device)
         asyncio.run(run())
-    except Exception:  # noqa: BLE001 - report start-up failures (bad weights, port taken) plainly
-        logging.getLogger("flow_service").exception("flow service failed")
-        return 1
-    return 0
+
+    # start-up failures (port taken, no CUDA, bad weights) end as one line; details at DEBUG
+    return run_main("flow_service", body)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ of long chunks. A first chunk arriving meanwhile (time to first audio) would wai
 them; instead, between two steps the runner asks the loop for a batch of the waiting first
 chunks, runs it to the end on the same thread and stream, and resumes. Rows are independent, so
 no result changes; the preempted batch's rows arrive later by the urgent batch's compute time.
+With playback deadlines (calls carrying `due`), "first chunks" becomes "work whose slack is below
+one solver step of the running batch" (Scheduler.is_urgent); the cost model that estimates
+batch times learns from every batch run here.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from flow_service import metrics
-from flow_service.model import ChunkRequest, FlowModel
+from flow_service.costmodel import CostModel, num_solver_steps
+from flow_service.model import ChunkRequest, FlowModel, PrefixCache
 from flow_service.scheduler import BatchPolicy, CallStatus, PendingCall, Plan, Scheduler
 from token2wav.errors import DeadlineExceeded, ServiceError, Unavailable
 
@@ -89,10 +93,19 @@ class FlowEngine:
         graph_max_batch: int = 8,
         graph_frame_multiple: int = 100,
         preempt: bool = True,
+        cost: CostModel | None = None,
+        prefix_cache: PrefixCache | None = None,
+        order_streams: bool = True,
     ):
         self.model = model
+        # Keys/values of streams' complete earlier blocks (eager batches only: a graphed batch
+        # is launch-bound, recomputing its prefix costs little there).
+        self.prefix_cache = prefix_cache
+        self.order_streams = order_streams
+        self._chains: dict[str, list[tuple[int, asyncio.Event]]] = {}  # key -> calls in flight
         self.policy = policy
-        self.scheduler = Scheduler(policy)
+        self.cost = cost or CostModel(num_solver_steps(model))
+        self.scheduler = Scheduler(policy, self.cost)
         self.log_batches = log_batches
         self.device = next(model.parameters()).device
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="flow-runner")
@@ -114,6 +127,10 @@ class FlowEngine:
         # Written by the loop thread, read by the runner between steps (a plain int: reading a
         # stale value costs one needless round trip or one step of delay, nothing more).
         self._first_waiting = 0
+        # Likewise: the earliest latest-start of a waiting call with a deadline (monotonic s),
+        # and one solver step of the batch the runner is in (runner thread only).
+        self._latest_start = math.inf
+        self._step_s = 0.0
         self.num_preemptions = 0
         self._nested_s = 0.0  # runner thread only: time spent in urgent batches
         self._wakeup = asyncio.Event()
@@ -151,16 +168,52 @@ class FlowEngine:
             logger.info("captured %d CUDA graphs", len(self._graphs))
 
     # -- calls -------------------------------------------------------------------------------
-    async def submit(self, request: ChunkRequest, deadline: float = math.inf) -> FlowResult:
+    async def submit(
+        self, request: ChunkRequest, deadline: float = math.inf, due: float = math.inf
+    ) -> FlowResult:
+        """`deadline`: the call fails past it; `due`: its playback deadline (soft, orders it;
+        ignored with deadline scheduling off, so that the order is exactly the one before).
+        With the prefix cache and `order_streams`, a call waits until the calls of its stream
+        with a smaller token_offset on this replica are done: it can only reuse what they
+        stored, and its audio plays after theirs anyway."""
+        key = request.cache_key if self.prefix_cache is not None and self.order_streams else ""
+        if not key:
+            return await self._submit_now(request, deadline, due)
+        chain = self._chains.setdefault(key, [])
+        earlier = [done for offset, done in chain if offset < request.token_offset]
+        mine = (request.token_offset, asyncio.Event())
+        chain.append(mine)
+        try:
+            if earlier:
+                left = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
+                try:
+                    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in earlier)), left)
+                except asyncio.TimeoutError:
+                    metrics.DROPPED.labels("deadline").inc()
+                    raise DeadlineExceeded(
+                        "deadline passed while the stream's earlier chunks ran"
+                    ) from None
+            return await self._submit_now(request, deadline, due)
+        finally:
+            mine[1].set()
+            chain.remove(mine)
+            if not chain:
+                del self._chains[key]
+
+    async def _submit_now(self, request: ChunkRequest, deadline: float, due: float) -> FlowResult:
+        if not self.policy.deadline_scheduling:
+            due = math.inf
         call = PendingCall(
             num_seq_frames=request.num_seq_frames,
             num_out_frames=request.num_out_frames,
             is_first_chunk=request.token_offset == 0,
             deadline=deadline,
             payload=request,
+            due=due,
         )
         self.scheduler.add(call)  # RESOURCE_EXHAUSTED when full: at once, queue unchanged
-        self._first_waiting += call.is_first_chunk
+        self._first_waiting += call.is_first_chunk and due == math.inf
+        self._latest_start = self.scheduler.latest_start()
         future = asyncio.get_running_loop().create_future()
         self._futures[call.call_id] = future
         metrics.QUEUE_DEPTH.set(len(self.scheduler))
@@ -168,6 +221,8 @@ class FlowEngine:
         try:
             return await future
         except asyncio.CancelledError:
+            if self.prefix_cache is not None and request.cache_key:
+                self.prefix_cache.drop(request.cache_key)  # the stream is likely gone
             if call.status == CallStatus.WAITING:
                 call.status = CallStatus.CANCELLED  # the loop drops it before the next batch
                 metrics.DROPPED.labels("cancelled_waiting").inc()
@@ -225,13 +280,15 @@ class FlowEngine:
         """Loop thread: refresh what the runner and the metrics read of the queue."""
         metrics.QUEUE_DEPTH.set(len(self.scheduler))
         self._first_waiting = self.scheduler.num_first_chunks_waiting
+        self._latest_start = self.scheduler.latest_start()
 
     def _next_deadline(self) -> float:
         return min((c.deadline for c in self.scheduler.waiting), default=math.inf)
 
     def _generate(self, requests: list[ChunkRequest], between_steps=None) -> list[torch.Tensor]:
+        cache = self.prefix_cache
         if self._stream is None:
-            return self.model.generate(requests, between_steps=between_steps)
+            return self.model.generate(requests, between_steps=between_steps, prefix_cache=cache)
         num = len(requests)
         with torch.cuda.stream(self._stream):
             if self._graphs is not None and num <= self.graph_max_batch:
@@ -245,8 +302,14 @@ class FlowEngine:
                     frame_multiple=self.graph_frame_multiple,
                     between_steps=between_steps,
                 )[:num]
+                if cache is not None:  # graphed rows skip the cache; finished streams leave it
+                    for req in requests:
+                        if req.finalize and req.cache_key:
+                            cache.drop(req.cache_key)
             else:
-                outputs = self.model.generate(requests, between_steps=between_steps)
+                outputs = self.model.generate(
+                    requests, between_steps=between_steps, prefix_cache=cache
+                )
         self._stream.synchronize()
         return outputs
 
@@ -269,9 +332,15 @@ class FlowEngine:
         between this batch's steps (what its callers waited); own time does not."""
         t0 = time.perf_counter()
         nested_before = self._nested_s
-        # Only a batch without first chunks gives way, and an urgent batch never does: nesting
-        # is one level deep.
-        preemptible = self.preempt and not nested and not any(c.is_first_chunk for c in plan.calls)
+        # Only a batch without first chunks (that have no deadline) gives way, and an urgent
+        # batch never does: nesting is one level deep.
+        preemptible = (
+            self.preempt
+            and not nested
+            and not any(c.is_first_chunk and c.due == math.inf for c in plan.calls)
+        )
+        if preemptible:
+            self._step_s = self.cost.step_s(len(plan.calls), plan.padded_len)
         hook = None
         if preemptible:
             # Eager batches (more rows than graphs take) have long steps: look at the queue
@@ -289,7 +358,14 @@ class FlowEngine:
 
     def _between_steps(self, sync_every_step: bool) -> None:
         """Runner thread, between two solver steps of a preemptible batch."""
-        urgent = self._first_waiting > 0 and not self._stopping and self._loop_ref is not None
+        # Urgent: a first chunk without a deadline waits, or a call that cannot afford one
+        # more step of this batch (its latest start is within a step from now).
+        due_soon = time.monotonic() + self._step_s >= self._latest_start
+        urgent = (
+            (self._first_waiting > 0 or due_soon)
+            and not self._stopping
+            and self._loop_ref is not None
+        )
         if self._stream is not None and (sync_every_step or urgent):
             self._stream.synchronize()  # an urgent batch then starts on an idle card
         if not urgent:
@@ -324,7 +400,7 @@ class FlowEngine:
             if self._stopping:
                 return  # stop() fails the waiting calls; none may slip into a batch now
             self._drop_finished(time.monotonic())
-            plan = self.scheduler.schedule(first_chunks_only=True)
+            plan = self.scheduler.schedule(urgent_slack_s=self._step_s)
             self._queue_changed()
             if plan is not None:
                 plan.urgent = True
@@ -352,6 +428,11 @@ class FlowEngine:
             return
         outputs, compute_s, own_s = result
         metrics.COMPUTE.observe(own_s)  # GPU time of this batch alone: the sum stays <= wall
+        self.cost.observe(n, plan.padded_len, own_s)
+        metrics.CAPACITY.set(self.cost.capacity_frames_per_s)
+        late = sum(c.due < done for c in plan.calls)
+        if late:
+            metrics.LATE.inc(late)
         if self.log_batches:
             lengths = sorted(c.num_seq_frames for c in plan.calls)
             logger.info(

@@ -27,3 +27,44 @@ PREEMPTIONS = Counter(
     "Batches of first chunks run between the solver steps of a running batch",
 )
 VOICE_CACHE = Gauge("t2w_flow_voice_cache_entries", "Voices held in the LRU cache")
+CAPACITY = Gauge(
+    "t2w_flow_capacity_frames_per_second",
+    "Learned throughput: DiT sequence frames (rows x padded length, all steps) per second",
+)
+LATE = Counter(
+    "t2w_flow_late_calls_total", "Calls with a playback deadline whose batch finished after it"
+)
+PREFIX_CACHE_LOOKUPS = Counter(
+    "t2w_flow_prefix_cache_lookups_total",
+    "Streaming rows that could reuse a cached prefix, by outcome: hit (own stream), voice_hit "
+    "(prompt blocks shared by the voice's streams), miss (recomputed)",
+    ["result"],
+)
+PREFIX_CACHE_FRAMES = Counter(
+    "t2w_flow_prefix_cache_frames_total",
+    "DiT frames of every call, by whether they were taken from the prefix cache (reused) or "
+    "computed",
+    ["kind"],
+)
+PREFIX_CACHE_EVICTIONS = Counter(
+    "t2w_flow_prefix_cache_evictions_total", "Prefix cache entries evicted to make room (LRU)"
+)
+PREFIX_CACHE_BYTES = Gauge("t2w_flow_prefix_cache_bytes", "Prefix cache bytes in use")
+PREFIX_CACHE_ENTRIES = Gauge(
+    "t2w_flow_prefix_cache_entries", "Prefix cache entries (streams and shared voice prompts)"
+)
+
+
+def observe_prefix_cache(name: str, value: float) -> None:
+    """The prefix cache's event hook (flow_service.model stays free of Prometheus)."""
+    lookup = {"hits": "hit", "voice_hits": "voice_hit", "misses": "miss"}.get(name)
+    if lookup is not None:
+        PREFIX_CACHE_LOOKUPS.labels(lookup).inc(value)
+    elif name in ("reused_frames", "computed_frames"):
+        PREFIX_CACHE_FRAMES.labels(name.removesuffix("_frames")).inc(value)
+    elif name == "evictions":
+        PREFIX_CACHE_EVICTIONS.inc(value)
+    elif name == "bytes":
+        PREFIX_CACHE_BYTES.set(value)
+    elif name == "entries":
+        PREFIX_CACHE_ENTRIES.set(value)

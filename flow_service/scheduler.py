@@ -15,6 +15,17 @@ First chunks apart (`first_chunks_apart`): a batch anchored by a first chunk tak
 chunks, and the engine lets a first chunk that arrives while a batch of later chunks runs go
 between two of its solver steps (`schedule(first_chunks_only=True)` forms that batch). Time to
 first audio is then one solver step of waiting plus a short batch, not two long batches.
+
+Deadlines (`deadline_scheduling`, with a `CostModel`): a call may carry a playback deadline
+(`due`, from the gateway's slack). When any waiting call has one, the queue is ordered by slack
+instead: due - now - the estimated time of a batch of that call alone, least first; calls
+without one come after, in today's order. The anchor is the least-slack call; others join by
+slack under the same size, frame and padding limits, and a join is refused when the bigger
+batch would make a row late that is on time without it: a row in the batch, or a row left
+out (for padding) that could still start after this batch and make its deadline. Preemption
+generalises: work whose slack is below one solver step of the running batch
+(`schedule(urgent_slack_s=step)`) runs between its steps. Calls without deadlines are
+scheduled exactly as before.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from flow_service.costmodel import CostModel
 from token2wav.errors import ResourceExhausted
 
 
@@ -42,6 +54,8 @@ class BatchPolicy:
     # chunk per stream), so time to first audio is not the compute time of a batch of long
     # later chunks. Pairs with the engine's preemption (both on with --preempt).
     first_chunks_apart: bool = True
+    # Order calls that carry a playback deadline by slack (see the module docstring).
+    deadline_scheduling: bool = True
 
     def __post_init__(self):
         if self.max_batch_size < 1:
@@ -70,6 +84,9 @@ class PendingCall:
     arrival: float = field(default_factory=time.monotonic)
     call_id: int = field(default_factory=itertools.count().__next__)
     status: CallStatus = CallStatus.WAITING
+    # Playback deadline (monotonic s; math.inf: none). Soft: a late call still runs, unlike
+    # `deadline` (the RPC's), past which it fails.
+    due: float = math.inf
 
     def priority(self) -> tuple:
         return (not self.is_first_chunk, self.deadline, self.arrival, self.call_id)
@@ -95,8 +112,9 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, policy: BatchPolicy):
+    def __init__(self, policy: BatchPolicy, cost: CostModel | None = None):
         self.policy = policy
+        self.cost = cost  # None: deadlines are ignored (today's order)
         self.waiting: list[PendingCall] = []
         self.last_busy = -math.inf  # monotonic time the runner last finished a batch
 
@@ -132,35 +150,105 @@ class Scheduler:
         idle = now - self.last_busy > wait
         if idle or len(self.waiting) >= self.policy.max_batch_size:
             return now
-        return min(c.arrival for c in self.waiting) + wait
+        # A call that cannot afford the wait for the batch to fill starts it now.
+        return min(min(c.arrival for c in self.waiting) + wait, self.latest_start())
+
+    def _by_slack(self) -> bool:
+        return (
+            self.cost is not None
+            and self.policy.deadline_scheduling
+            and any(c.due < math.inf for c in self.waiting)
+        )
+
+    def latest_start(self) -> float:
+        """The earliest of the waiting calls' latest start times (due minus the time of a
+        batch of that call alone); math.inf when none has a deadline or deadlines are off."""
+        if not self._by_slack():
+            return math.inf
+        est = self.cost.estimate
+        return min(c.due - est(1, c.num_seq_frames) for c in self.waiting if c.due < math.inf)
+
+    def slack(self, call: PendingCall, now: float) -> float:
+        """Seconds to spare if `call` started alone now (math.inf without a deadline)."""
+        if call.due == math.inf or self.cost is None:
+            return math.inf
+        return call.due - now - self.cost.estimate(1, call.num_seq_frames)
+
+    def _slack_key(self, now: float):
+        def key(c: PendingCall) -> tuple:
+            if c.due < math.inf:
+                return (0, self.slack(c, now), c.arrival, c.call_id)
+            return (1, float(not c.is_first_chunk), c.arrival, c.call_id)
+
+        return key
+
+    def is_urgent(self, call: PendingCall, now: float, urgent_slack_s: float) -> bool:
+        """Work that may run between the solver steps of a running batch: a call whose slack
+        is below one step; with no deadline in the queue, a first chunk (as before). Calls
+        without a deadline never preempt work that has one."""
+        if not self._by_slack():
+            return call.is_first_chunk
+        return call.due < math.inf and self.slack(call, now) < urgent_slack_s
 
     @property
     def num_first_chunks_waiting(self) -> int:
-        return sum(c.is_first_chunk and c.status == CallStatus.WAITING for c in self.waiting)
-
-    def schedule(self, first_chunks_only: bool = False) -> Plan | None:
-        """Take the next batch out of the queue (only first chunks, if asked)."""
-        order = sorted(
-            (c for c in self.waiting if c.is_first_chunk or not first_chunks_only),
-            key=PendingCall.priority,
+        """First chunks that preempt as before deadlines: 0 while any call has a deadline
+        (then work preempts by slack)."""
+        if self._by_slack():
+            return 0
+        return sum(
+            c.is_first_chunk and c.due == math.inf and c.status == CallStatus.WAITING
+            for c in self.waiting
         )
+
+    def schedule(
+        self,
+        first_chunks_only: bool = False,
+        now: float | None = None,
+        urgent_slack_s: float | None = None,
+    ) -> Plan | None:
+        """Take the next batch out of the queue: only first chunks, if asked; only urgent
+        work (`is_urgent` with `urgent_slack_s`), if that is given."""
+        now = time.monotonic() if now is None else now
+        by_slack = self._by_slack()
+        if urgent_slack_s is not None:
+            pool = [c for c in self.waiting if self.is_urgent(c, now, urgent_slack_s)]
+        else:
+            pool = [c for c in self.waiting if c.is_first_chunk or not first_chunks_only]
+        order = sorted(pool, key=self._slack_key(now) if by_slack else PendingCall.priority)
         if not order:
             return None
-        if order[0].is_first_chunk and self.policy.first_chunks_apart:
+        lead = order[0]
+        if lead.is_first_chunk and lead.due == math.inf and self.policy.first_chunks_apart:
             order = [c for c in order if c.is_first_chunk]
-        anchor = order[0]
-        chosen = [anchor]
-        padded = anchor.num_seq_frames
-        real = anchor.num_seq_frames
+        chosen = [lead]
+        padded = real = lead.num_seq_frames
         p = self.policy
+        est = self.cost.estimate if by_slack else None
+        # The batch may not end after `limit`: the deadline of a chosen row that is on time,
+        # or the latest start of a row left out that can still make its deadline afterwards.
+        limit = math.inf
+        if est is not None and now + est(1, padded) <= lead.due:
+            limit = lead.due
         for call in order[1:]:
             if len(chosen) >= p.max_batch_size:
                 break
             new_padded = max(padded, call.num_seq_frames)
             rows = len(chosen) + 1
-            if rows * new_padded > p.max_batch_frames:
-                continue
-            if (real + call.num_seq_frames) / (rows * new_padded) < p.min_padding_efficiency:
+            fits = rows * new_padded <= p.max_batch_frames and (
+                (real + call.num_seq_frames) / (rows * new_padded) >= p.min_padding_efficiency
+            )
+            if est is not None:
+                end = now + est(rows, new_padded)
+                if fits and end > limit:
+                    fits = False
+                if fits and end <= call.due:
+                    limit = min(limit, call.due)
+                if not fits and call.due < math.inf:
+                    start = call.due - est(1, call.num_seq_frames)
+                    if start >= now + est(len(chosen), padded):
+                        limit = min(limit, start)
+            if not fits:
                 continue
             chosen.append(call)
             padded, real = new_padded, real + call.num_seq_frames

@@ -37,6 +37,7 @@ class FlowServicer(flow_pb2_grpc.FlowServicer):
             token_offset=request.token_offset,
             finalize=request.finalize,
             streaming=request.streaming,
+            cache_key=request.request_id,  # the stream: its prefix cache entry (if any)
         )
         validate_chunk(chunk)
         return voice_id, chunk
@@ -45,8 +46,12 @@ class FlowServicer(flow_pb2_grpc.FlowServicer):
         request_id_var.set(check_request_id(request.request_id, required=False) or "-")
         voice_id, chunk = self._chunk(request)
         remaining = context.time_remaining()
-        deadline = math.inf if remaining is None else time.monotonic() + remaining
-        result = await self.engine.submit(chunk, deadline)
+        now = time.monotonic()
+        deadline = math.inf if remaining is None else now + remaining
+        # Slack is relative to the sender's send time: on our clock it starts now (transit
+        # unaccounted, see flow.proto).
+        due = now + request.slack_ms / 1e3 if request.HasField("slack_ms") else math.inf
+        result = await self.engine.submit(chunk, deadline, due)
         return flow_pb2.GenerateResponse(
             mel=encode(result.mel),
             voice_id=voice_id,
@@ -54,4 +59,5 @@ class FlowServicer(flow_pb2_grpc.FlowServicer):
                 queue_ms=result.queue_ms, compute_ms=result.compute_ms, batch_size=result.batch_size
             ),
             padded_frames=result.padded_frames,
+            capacity_frames_per_s=self.engine.cost.capacity_frames_per_s,
         )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from gateway.admission import AdmissionConfig
 from gateway.clients import ClientStreams
+from gateway.deadlines import DeadlineConfig
 from gateway.downstream import FlowClient
 from gateway.failover import RetryBudget
 from gateway.health import GatewayServer, StageHealth
@@ -13,7 +15,9 @@ from gateway.inbound import InboundLimits
 from gateway.pipeline import PipelineLimits
 from gateway.routing import ReplicaSet
 from gateway.servicer import GatewayServicer, VoiceRegistry
+from gateway.voices import VoiceMaker
 from token2wav.cli import EnvParser, add_server_flags
+from token2wav.frontend.audio import FrontendUnavailable
 from token2wav.security import TokenAuth, channel_credentials, load_tokens
 from token2wav.server import ServerOptions
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
@@ -75,13 +79,93 @@ def build_parser() -> EnvParser:
     )
     p.flag("--flow-attempts", type=int, default=3, help="replicas a flow call tries on UNAVAILABLE")
     p.flag(
+        "--flow-affinity",
+        default="stream",
+        choices=["stream", "call"],
+        help="stream: all flow calls of a stream go to one replica (rendezvous hash of the "
+        "request id; its prefix cache is there), the next-ranked on UNAVAILABLE; call: round "
+        "robin per call (even spread when the flow replicas run without the prefix cache)",
+    )
+    p.flag("--max-voices", type=int, default=1024, help="registered voices kept (LRU)")
+    p.flag(
+        "--frontend-dir",
+        default=None,
+        help="folder with speech_tokenizer_v3.onnx and campplus.onnx (Fun-CosyVoice3-0.5B-2512): "
+        "RegisterVoice then also takes a prompt recording; needs pip install "
+        "'token2wav[frontend]'. Unset: audio is refused with FAILED_PRECONDITION",
+    )
+    p.flag(
+        "--frontend-workers",
+        type=int,
+        default=2,
+        help="threads making voices from audio, off the event loop",
+    )
+    p.flag(
+        "--frontend-max-pending",
+        type=int,
+        default=8,
+        help="recordings accepted at once (running or waiting); past it RESOURCE_EXHAUSTED",
+    )
+    p.flag(
+        "--deadlines",
+        type=bool,
+        default=True,
+        help="send each flow call and vocoder chunk its playback deadline (slack_ms), so the "
+        "services serve the least slack first",
+    )
+    p.flag(
+        "--first-chunk-target-ms",
+        type=float,
+        default=150.0,
+        help="a first chunk (or one whose tokens came late) is needed this long after its "
+        "tokens are in",
+    )
+    p.flag(
+        "--deadline-margin-ms",
+        type=float,
+        default=50.0,
+        help="subtracted from every playback deadline sent downstream (vocoder step, transport)",
+    )
+    p.flag(
+        "--admission",
+        type=bool,
+        default=False,
+        help="refuse a new stream (RESOURCE_EXHAUSTED) when the flow capacity estimate says "
+        "it would make admitted streams late",
+    )
+    p.flag(
+        "--admission-headroom",
+        type=float,
+        default=0.8,
+        help="share of the flow replicas' reported capacity admission plans with",
+    )
+    p.flag(
+        "--admission-expected-tokens",
+        type=int,
+        default=250,
+        help="tokens assumed for a stream whose input is still open (250 = 10 s)",
+    )
+    p.flag(
+        "--admission-wait-ms",
+        type=float,
+        default=0.0,
+        help="how long a stream that does not fit may wait for streams to end before it is "
+        "refused; 0 refuses at once",
+    )
+    p.flag(
+        "--admission-capacity",
+        type=float,
+        default=0.0,
+        help="flow capacity in DiT frames/s for admission, replacing the replicas' reports; "
+        "0: learned from the replicas",
+    )
+    p.flag(
         "--retry-budget",
         type=float,
         default=0.2,
         help="flow retries allowed per flow call, across all streams (plus 10 per second): "
         "a stage that is down is not hit with every call times --flow-attempts",
     )
-    p.flag("--max-voices", type=int, default=1024, help="registered voices kept (LRU)")
     p.flag(
         "--max-streams-per-client",
         type=int,
@@ -145,7 +229,26 @@ def build_parser() -> EnvParser:
     return p
 
 
-def create_server(args: argparse.Namespace):
+def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:
+    return AdmissionConfig(
+        enabled=args.admission,
+        headroom=args.admission_headroom,
+        expected_tokens=args.admission_expected_tokens,
+        max_wait_s=args.admission_wait_ms / 1e3,
+        capacity_override=args.admission_capacity,
+    )
+
+
+def load_voice_maker(args: argparse.Namespace) -> VoiceMaker | None:
+    """The front end if --frontend-dir is set; FrontendUnavailable says what is missing."""
+    if not args.frontend_dir:
+        return None
+    if args.frontend_workers < 1 or args.frontend_max_pending < 1:
+        raise FrontendUnavailable("--frontend-workers and --frontend-max-pending must be >= 1")
+    return VoiceMaker.from_dir(args.frontend_dir, args.frontend_workers, args.frontend_max_pending)
+
+
+def create_server(args: argparse.Namespace, voice_maker: VoiceMaker | None = None):
     credentials = None
     if args.internal_ca or args.internal_cert:
         credentials = channel_credentials(args.internal_ca, args.internal_cert, args.internal_key)
@@ -158,10 +261,14 @@ def create_server(args: argparse.Namespace):
     )
     flows = ReplicaSet(args.flow_addr, **routing)
     vocoders = ReplicaSet(args.vocoder_addr, **routing)
+    deadlines = None
+    if args.deadlines:
+        deadlines = DeadlineConfig(args.first_chunk_target_ms / 1e3, args.deadline_margin_ms / 1e3)
     limits = PipelineLimits(
         args.max_inflight_chunks,
         args.max_buffered_chunks,
         args.call_timeout,
+        deadlines,
         max_vocoder_failovers=args.vocoder_failovers,
     )
     inbound = InboundLimits(
@@ -169,14 +276,23 @@ def create_server(args: argparse.Namespace):
         first_tokens_timeout=args.first_tokens_timeout,
         idle_timeout=args.input_idle_timeout,
     )
+    if voice_maker is None:
+        voice_maker = load_voice_maker(args)
     servicer = GatewayServicer(
-        FlowClient(flows, args.flow_attempts, RetryBudget(args.retry_budget)),
+        FlowClient(
+            flows,
+            args.flow_attempts,
+            sticky=args.flow_affinity == "stream",
+            budget=RetryBudget(args.retry_budget),
+        ),
         vocoders,
         VoiceRegistry(args.max_voices, args.max_voices_per_client),
         limits,
         args.max_streams,
-        inbound,
-        ClientStreams(args.max_streams_per_client),
+        voice_maker,
+        admission_from_args(args),
+        inbound=inbound,
+        per_client=ClientStreams(args.max_streams_per_client),
     )
     options = ServerOptions.from_args(args)
     if args.auth_tokens:
@@ -193,5 +309,7 @@ def create_server(args: argparse.Namespace):
     async def close() -> None:
         await flows.close()
         await vocoders.close()
+        if voice_maker is not None:
+            voice_maker.close()
 
     return server, close

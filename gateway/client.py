@@ -11,13 +11,19 @@ Sync:
         audio = client.synthesize(voice, tokens)      # np.float32 at 24 kHz
 CLI:
     python -m gateway.client synthesize --voice v.npz --tokens t.npy --out out.wav
+    python -m gateway.client synthesize --audio prompt.wav --tokens t.npy --out out.wav
     python -m gateway.client make-sample --out-dir sample/
+    python -m gateway.client make-voice --audio prompt.wav --frontend-dir DIR --out voice.npz
+    python -m gateway.client import-speakers spk2info.pt --out-dir voices/
+    python -m gateway.client export-speakers --out spk2info.pt alice=voices/alice.npz
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 import queue
 import sys
 import threading
@@ -31,11 +37,26 @@ import grpc
 import numpy as np
 
 from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner, ScheduleConfig
-from token2wav import SAMPLE_RATE, SAMPLES_PER_TOKEN
-from token2wav.errors import DETAILS_KEY, STATUS_KEY
+from gateway.voice_cli import (
+    VOICE_COMMANDS,
+    add_voice_commands,
+    run_voice_command,
+    voice_from_gateway,
+)
+from token2wav import SAMPLE_RATE, SAMPLES_PER_TOKEN, VOCAB_SIZE
+from token2wav.cli import run_main
+from token2wav.errors import DETAILS_KEY, STATUS_KEY, InvalidArgument
 from token2wav.security import channel_credentials
 from token2wav.server import channel_options
-from token2wav.tensors import VoiceData, make_voice
+from token2wav.tensors import (
+    INT_DTYPES,
+    VoiceData,
+    check_token_ids,
+    decode,
+    decode_voice,
+    encode,
+    make_voice,
+)
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
 
 FORMATS = {"pcm16": gateway_pb2.AUDIO_FORMAT_PCM16, "float32": gateway_pb2.AUDIO_FORMAT_FLOAT32}
@@ -51,15 +72,111 @@ class AudioChunk:
     received_at: float  # time.perf_counter() when it arrived
 
 
+def token_ids(tokens, field: str = "tokens") -> np.ndarray:
+    """`tokens` as a flat int64 array of speech token ids, each in 0..VOCAB_SIZE-1, or an
+    InvalidArgument (a ValueError) naming `field` and the first bad value: floats (1.7 would
+    truncate to 1, NaN has no id), negatives, ids past the vocabulary (or past 2^32, which a
+    uint32 would truncate) are refused here, before anything is sent."""
+    arr = np.asarray(tokens)
+    if arr.size == 0:
+        return np.zeros(0, np.int64)
+    if arr.dtype.kind == "O":  # Python ints too big for int64, or mixed objects
+        flat = arr.reshape(-1)
+        for i, t in enumerate(flat):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise InvalidArgument(f"{field}[{i}]", f"{t!r} is not an integer token id")
+            if not 0 <= t < VOCAB_SIZE:
+                raise InvalidArgument(f"{field}[{i}]", f"id {t} outside 0..{VOCAB_SIZE - 1}")
+        return flat.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        what = f"{arr.dtype} values"
+        if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
+            what += (
+                f" (non-finite at index {int(np.flatnonzero(~np.isfinite(arr.reshape(-1)))[0])})"
+            )
+        raise InvalidArgument(
+            field, f"{what}; token ids must be integers (an int32 or int64 array)"
+        )
+    flat = arr.reshape(-1)
+    if arr.dtype.kind == "u":  # uint64 past 2^63 would wrap negative in int64
+        big = np.flatnonzero(flat >= VOCAB_SIZE)
+        if big.size:
+            i = int(big[0])
+            raise InvalidArgument(f"{field}[{i}]", f"id {int(flat[i])} outside 0..{VOCAB_SIZE - 1}")
+    return check_token_ids(flat, field)
+
+
+def _load_npy(path: str | Path, what: str):
+    """np.load without pickles; a file that is not what `what` says is one ValueError line."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, EOFError) as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise ValueError(f"{path}: cannot read ({exc}); want {what}") from None
+    except ValueError as exc:  # numpy's text may advise unpickling: never repeated here
+        why = "pickled data, never loaded" if "pickle" in str(exc) else "unreadable"
+        raise ValueError(f"{path}: not {what} ({why})") from None
+
+
+def load_tokens(path: str | Path) -> np.ndarray:
+    """A .npy of integer speech token ids (any shape, flattened), validated by `token_ids`."""
+    data = _load_npy(path, "an .npy array of token ids")
+    if not isinstance(data, np.ndarray):
+        data.close()
+        raise ValueError(f"{path}: an .npz archive; --tokens wants one .npy array of token ids")
+    ids = token_ids(data, Path(path).name)
+    if ids.size == 0:
+        raise ValueError(f"{path}: no tokens")
+    return ids
+
+
 def load_voice(path: str | Path) -> VoiceData:
     """An .npz with prompt_token int (N,), prompt_feat float32 (2N, 80), embedding float32 (192,)."""
-    with np.load(path) as data:
-        missing = {"prompt_token", "prompt_feat", "embedding"} - set(data.files)
+    data = _load_npy(path, "an .npz voice file")
+    if isinstance(data, np.ndarray):
+        raise ValueError(f"{path}: one .npy array; a voice is an .npz with {sorted(VOICE_ARRAYS)}")
+    with data:
+        missing = VOICE_ARRAYS - set(data.files)
         if missing:
             raise ValueError(f"{path}: missing arrays {sorted(missing)}")
-        return make_voice(
-            data["prompt_token"], data["prompt_feat"], data["embedding"], field=Path(path).name
-        )
+        try:
+            arrays = [data[name] for name in ("prompt_token", "prompt_feat", "embedding")]
+        except ValueError as exc:  # object arrays need pickles, which are never loaded
+            raise ValueError(f"{path}: {(str(exc).splitlines() or [''])[0]}") from None
+    return make_voice(*arrays, field=Path(path).name)
+
+
+VOICE_ARRAYS = {"prompt_token", "prompt_feat", "embedding"}
+
+
+@dataclass
+class RegisteredVoice:
+    voice_id: str
+    prompt_token: np.ndarray  # [N] int32: the LLM's speech prompt
+    voice: VoiceData | None  # the voice the gateway made (None when you sent the arrays)
+
+
+def audio_request(
+    audio_file: bytes | None = None, pcm: np.ndarray | None = None, sample_rate: int = 0
+) -> gateway_pb2.RegisterVoiceRequest:
+    """RegisterVoice from a WAV/FLAC/OGG file's bytes, or PCM (int16 or float32, (n,) or
+    (n, channels)) with its sample rate."""
+    if (audio_file is None) == (pcm is None):
+        raise ValueError("give either audio_file bytes or pcm samples")
+    if audio_file is not None:
+        return gateway_pb2.RegisterVoiceRequest(audio_file=audio_file)
+    pcm = np.asarray(pcm)
+    if pcm.dtype != np.int16:
+        pcm = pcm.astype(np.float32)
+    samples = gateway_pb2.PcmAudio(samples=encode(pcm), sample_rate=int(sample_rate))
+    return gateway_pb2.RegisterVoiceRequest(audio_pcm=samples)
+
+
+def _registered(resp: gateway_pb2.RegisterVoiceResponse) -> RegisteredVoice:
+    tokens = decode(resp.prompt_token, "prompt_token", dtypes=INT_DTYPES, required=False)
+    voice = decode_voice(resp.voice) if resp.HasField("voice") else None
+    return RegisteredVoice(resp.voice_id, tokens.astype(np.int32), voice)
 
 
 def decode_audio(msg: gateway_pb2.SynthesizeResponse) -> np.ndarray:
@@ -125,6 +242,10 @@ def _open_channel(grpc_api, target: str, tls_ca, token, server_name):
     return grpc_api.secure_channel(target, channel_credentials(tls_ca), options=options), metadata
 
 
+def _wire_ids(tokens: Iterable[int]) -> list[int]:
+    return token_ids(tokens if isinstance(tokens, np.ndarray) else list(tokens)).tolist()
+
+
 class AsyncStream:
     """One Synthesize stream. Send tokens as they come, then `end()`; iterate the audio."""
 
@@ -150,7 +271,9 @@ class AsyncStream:
             yield msg
 
     async def send(self, tokens: Iterable[int]) -> None:
-        ids = [int(t) for t in tokens]
+        """Queue token ids. A bad id raises InvalidArgument here and sends nothing; the stream
+        stays open (send good ids, or cancel())."""
+        ids = _wire_ids(tokens)
         if ids:
             self._requests.put_nowait(
                 gateway_pb2.SynthesizeRequest(tokens=gateway_pb2.TokenChunk(tokens=ids))
@@ -202,6 +325,12 @@ class AsyncClient:
         )
         return resp.voice_id
 
+    async def register_audio(self, audio_file=None, pcm=None, sample_rate=0) -> RegisteredVoice:
+        """Have the gateway make a voice from a recording (see `audio_request`)."""
+        return _registered(
+            await self.stub.RegisterVoice(audio_request(audio_file, pcm, sample_rate))
+        )
+
     async def delete_voice(self, voice_id: str) -> None:
         await self.stub.DeleteVoice(
             gateway_pb2.DeleteVoiceRequest(voice_id=voice_id), metadata=self.metadata
@@ -228,7 +357,9 @@ class Stream:
         )
 
     def send(self, tokens: Iterable[int]) -> None:
-        ids = [int(t) for t in tokens]
+        """Queue token ids. A bad id raises InvalidArgument here and sends nothing; the stream
+        stays open (send good ids, or cancel())."""
+        ids = _wire_ids(tokens)
         if ids:
             self._requests.put(
                 gateway_pb2.SynthesizeRequest(tokens=gateway_pb2.TokenChunk(tokens=ids))
@@ -240,6 +371,7 @@ class Stream:
 
     def cancel(self) -> None:
         self._call.cancel()
+        self._requests.put(None)  # ends the request iterator gRPC's sender thread waits on
 
     def __iter__(self) -> Iterator[AudioChunk]:
         try:
@@ -277,12 +409,16 @@ class Client:
             gateway_pb2.RegisterVoiceRequest(voice=voice.to_proto()), metadata=self.metadata
         ).voice_id
 
+    def register_audio(self, audio_file=None, pcm=None, sample_rate=0) -> RegisteredVoice:
+        return _registered(self.stub.RegisterVoice(audio_request(audio_file, pcm, sample_rate)))
+
     def delete_voice(self, voice_id: str) -> None:
         self.stub.DeleteVoice(
             gateway_pb2.DeleteVoiceRequest(voice_id=voice_id), metadata=self.metadata
         )
 
     def synthesize(self, voice: VoiceData | str, tokens, **kw) -> np.ndarray:
+        tokens = token_ids(tokens)  # bad ids raise here, before a stream is opened
         stream = self.stream(voice, **kw)
         stream.send(tokens)
         stream.end()
@@ -324,46 +460,65 @@ def run_synthesis(
     pace: float = 0.0,
     audio_format: str = "pcm16",
     progress: bool = True,
+    timeout: float | None = None,
 ) -> dict:
     """Stream tokens (all at once, or `pace` tokens/s), collect audio; returns the figures."""
     planner = ChunkPlanner(voice.num_prompt_tokens, ScheduleConfig())
     first_needed = min(len(tokens), planner.first_hop + LOOKAHEAD_TOKENS)
     with Client(target) as client:
-        stream = client.stream(voice, audio_format=audio_format)
+        stream = client.stream(voice, audio_format=audio_format, timeout=timeout)
         t0 = time.perf_counter()
         first_tokens_sent = [t0]
+        stop = threading.Event()  # set when the main thread is done: the feeder must not linger
+        feed_error: list[BaseException] = []
 
         def feed():
-            if pace <= 0:
-                stream.send(tokens)
-            else:
-                for i, tok in enumerate(tokens):
-                    time.sleep(max(0.0, t0 + i / pace - time.perf_counter()))
-                    stream.send([tok])
-                    if i + 1 == first_needed:
-                        first_tokens_sent[0] = time.perf_counter()
-            stream.end()
+            try:
+                if pace <= 0:
+                    stream.send(tokens)
+                else:
+                    for i, tok in enumerate(tokens):
+                        if stop.wait(max(0.0, t0 + i / pace - time.perf_counter())):
+                            return
+                        stream.send([tok])
+                        if i + 1 == first_needed:
+                            first_tokens_sent[0] = time.perf_counter()
+                stream.end()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+                feed_error.append(exc)
+                stream.cancel()  # the gateway drops the stream; the loop below wakes up
 
         feeder = threading.Thread(target=feed, daemon=True)
         feeder.start()
         chunks = []
         expected = SAMPLES_PER_TOKEN * len(tokens)
-        for chunk in stream:
-            chunks.append(chunk)
-            if progress:
-                got = chunk.sample_offset + chunk.samples.size
-                bar = "#" * int(30 * got / expected)
-                print(
-                    f"\r[{bar:<30}] {got / SAMPLE_RATE:6.2f}/{expected / SAMPLE_RATE:.2f} s "
-                    f"chunk {chunk.seq}",
-                    end="",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        feeder.join()
+        try:
+            for chunk in stream:
+                chunks.append(chunk)
+                if progress:
+                    got = chunk.sample_offset + chunk.samples.size
+                    bar = "#" * int(30 * got / expected)
+                    print(
+                        f"\r[{bar:<30}] {got / SAMPLE_RATE:6.2f}/{expected / SAMPLE_RATE:.2f} s "
+                        f"chunk {chunk.seq}",
+                        end="",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        except grpc.RpcError:
+            if feed_error:  # the cancel was ours: the feeder's error is the story
+                raise feed_error[0] from None
+            raise
+        finally:
+            stop.set()
+            if feeder.is_alive():  # the call failed while tokens were still going out
+                stream.cancel()
+            feeder.join()
+            if progress and chunks:
+                print(file=sys.stderr)
+        if feed_error:
+            raise feed_error[0]
         wall = time.perf_counter() - t0
-    if progress:
-        print(file=sys.stderr)
     audio = np.concatenate([c.samples for c in chunks])
     if out:
         write_wav(out, audio)
@@ -385,11 +540,25 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log-level",
+        default=os.environ.get("T2W_LOG_LEVEL", "WARNING"),
+        help="logging level; DEBUG also prints the traceback of a failure [env T2W_LOG_LEVEL]",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("synthesize", help="stream tokens through the gateway into a WAV file")
+    s = sub.add_parser(
+        "synthesize", parents=[common], help="stream tokens through the gateway into a WAV file"
+    )
     s.add_argument("--target", default="127.0.0.1:50051", help="gateway HOST:PORT")
-    s.add_argument("--voice", required=True, help=".npz with prompt_token, prompt_feat, embedding")
-    s.add_argument("--tokens", required=True, help=".npy of speech token ids (int)")
+    which = s.add_mutually_exclusive_group(required=True)
+    which.add_argument("--voice", help=".npz with prompt_token, prompt_feat, embedding")
+    which.add_argument(
+        "--audio",
+        help="prompt recording (WAV/FLAC/OGG) the gateway makes the voice from "
+        "(it needs --frontend-dir)",
+    )
+    s.add_argument("--tokens", required=True, help=".npy of speech token ids (int, 0..6560)")
     s.add_argument("--out", required=True, help="output WAV (24 kHz, 16-bit mono)")
     s.add_argument(
         "--pace",
@@ -398,23 +567,43 @@ def main(argv: list[str] | None = None) -> int:
         help="send tokens at this rate per second, like an LLM (0: all at once)",
     )
     s.add_argument("--format", choices=sorted(FORMATS), default="pcm16", help="wire audio format")
+    s.add_argument("--timeout", type=float, default=None, help="deadline for the whole stream, s")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
-    m = sub.add_parser("make-sample", help="write a random sample voice.npz and tokens.npy")
+    m = sub.add_parser(
+        "make-sample", parents=[common], help="write a random sample voice.npz and tokens.npy"
+    )
     m.add_argument("--out-dir", default="sample", help="where to write them")
     m.add_argument("--prompt-tokens", type=int, default=75, help="prompt length (3 s = 75)")
     m.add_argument("--num-tokens", type=int, default=250, help="utterance length (10 s = 250)")
     m.add_argument("--seed", type=int, default=0, help="random seed")
+    add_voice_commands(sub)
     a = p.parse_args(argv)
+    if a.cmd in VOICE_COMMANDS:
+        return run_voice_command(a)
+    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # Bad input files, an unreachable gateway, a failed stream: one line and exit status 1.
+    return run_main("token2wav", lambda: _run_command(a))
+
+
+def _run_command(a: argparse.Namespace) -> int:
     if a.cmd == "make-sample":
         v, t = make_sample(a.out_dir, a.prompt_tokens, a.num_tokens, a.seed)
         print(f"wrote {v} and {t}")
         return 0
-    voice = load_voice(a.voice)
-    tokens = np.load(a.tokens).astype(np.int64).reshape(-1)
+    tokens = load_tokens(a.tokens)  # the files are checked before anything is sent
+    voice = load_voice(a.voice) if a.voice else None
     try:
-        r = run_synthesis(a.target, voice, tokens, a.out, a.pace, a.format, not a.quiet)
+        if voice is None:
+            voice = voice_from_gateway(a.target, a.audio)
+        r = run_synthesis(
+            a.target, voice, tokens, a.out, a.pace, a.format, not a.quiet, timeout=a.timeout
+        )
     except grpc.RpcError as exc:
-        print(f"synthesis failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        hint = f" (is a gateway listening at --target {a.target}?)"
+        if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            hint = ""
+        details = (exc.details() or "").splitlines()[0] if exc.details() else ""
+        print(f"token2wav: synthesis failed: {exc.code().name}: {details}{hint}", file=sys.stderr)
         return 1
     print(f"wrote {a.out}: {r['audio_seconds']:.2f} s of audio in {r['chunks']} chunks")
     print(

@@ -4,12 +4,16 @@ translation of downstream statuses into the gateway's own errors."""
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
+from gateway.admission import CapacityBoard
+from gateway.deadlines import slack_ms
 from gateway.failover import RetryBudget
 from gateway.routing import ReplicaSet
 from token2wav.errors import (
@@ -87,12 +91,19 @@ class KnownVoices:
 
 class FlowClient:
     def __init__(
-        self, replicas: ReplicaSet, max_attempts: int = 3, budget: RetryBudget | None = None
+        self,
+        replicas: ReplicaSet,
+        max_attempts: int = 3,
+        board: CapacityBoard | None = None,
+        sticky: bool = True,
+        budget: RetryBudget | None = None,
     ):
         self.replicas = replicas
         self.max_attempts = max_attempts
+        self.sticky = sticky  # a stream's calls to its rendezvous replica, else round robin
         self.budget = budget or RetryBudget()
         self.known = KnownVoices()
+        self.board = board or CapacityBoard()  # the replicas' reported capacity
 
     async def generate(
         self,
@@ -105,7 +116,9 @@ class FlowClient:
         finalize: bool,
         streaming: bool,
         timeout: float | None,
+        due: float = math.inf,
     ) -> FlowOutput:
+        """`due`: the chunk's playback deadline (monotonic s), sent as slack from each send."""
         base = flow_pb2.GenerateRequest(
             request_id=request_id,
             seq=seq,
@@ -116,7 +129,11 @@ class FlowClient:
         )
         voice_id = voice.voice_id
         last: grpc.aio.AioRpcError | None = None
-        order = await self.replicas.round_robin()
+        # One replica per stream: its prefix cache holds what the stream's earlier calls computed
+        if self.sticky and request_id:
+            order = await self.replicas.ranked(request_id)
+        else:
+            order = await self.replicas.round_robin()
         self.budget.on_call()
         for attempt in range(self.max_attempts):
             addr = order[attempt % len(order)]
@@ -129,6 +146,8 @@ class FlowClient:
                     req.inline_voice.CopyFrom(voice.to_proto())
                 else:
                     req.voice_id = voice_id
+                if due < math.inf:
+                    req.slack_ms = slack_ms(due, time.monotonic())
                 try:
                     resp = await stub.Generate(req, timeout=timeout)
                 except grpc.aio.AioRpcError as exc:
@@ -145,6 +164,7 @@ class FlowClient:
                     last = exc
                     break
                 self.known.add(addr, voice_id)
+                self.board.report(addr, resp.capacity_frames_per_s)
                 mel = decode(resp.mel, "mel", shape=(80, None))
                 t = resp.timing
                 return FlowOutput(mel, t.queue_ms, t.compute_ms, t.batch_size)

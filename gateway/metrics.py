@@ -12,6 +12,14 @@ FIRST_CHUNK = Histogram(
 STREAM_SECONDS = Histogram(
     "t2w_gateway_stream_seconds", "Stream duration", buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300)
 )
+ADMISSION_REFUSED = Counter(
+    "t2w_gateway_admission_refused_total",
+    "Streams refused because the flow capacity estimate said admitted streams would be late",
+)
+FLOW_CAPACITY = Gauge(
+    "t2w_gateway_flow_capacity_frames_per_second",
+    "Flow capacity admission plans with: replicas' reports summed, times --admission-headroom",
+)
 AUDIO_SECONDS = Counter("t2w_gateway_audio_seconds_total", "Audio seconds sent to clients")
 VOCODER_FAILOVERS = Counter(
     "t2w_gateway_vocoder_failovers_total",
@@ -22,4 +30,15 @@ RETRIES = Counter(
     "t2w_gateway_flow_retries_total",
     "Flow calls retried on another replica, and retries refused by the retry budget",
     ["outcome"],
+)
+FRONTEND_PENDING = Gauge(
+    "t2w_gateway_frontend_pending", "Prompt recordings being made into voices or waiting to be"
+)
+FRONTEND_CALLS = Counter(
+    "t2w_gateway_frontend_calls_total", "RegisterVoice calls with audio, by outcome", ["outcome"]
+)
+FRONTEND_SECONDS = Histogram(
+    "t2w_gateway_frontend_seconds",
+    "Time to make a voice from audio (front-end work only, not the wait for a worker)",
+    buckets=(0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
 )

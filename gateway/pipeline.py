@@ -14,7 +14,9 @@ The handler yields audio from a bounded queue, so a slow client slows its own st
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from gateway.deadlines import DeadlineConfig, PlaybackClock, slack_ms
 from gateway.downstream import FlowClient, FlowOutput, downstream_error
 from gateway.failover import SessionLost, count_failover, detach, lost_reason
 from gateway.routing import ReplicaSet
@@ -40,6 +43,8 @@ class PipelineLimits:
     max_inflight_chunks: int = 4  # flow calls out at once per stream
     max_buffered_chunks: int = 4  # audio chunks waiting for a slow client
     call_timeout_cap: float = 60.0  # s, cap on any downstream call's deadline
+    # Playback deadlines sent downstream as slack (gateway/deadlines.py); None: none sent.
+    deadlines: DeadlineConfig | None = DeadlineConfig()
     max_vocoder_failovers: int = 3  # times a stream may reopen its session on another replica
     failover_connect_wait: float = 5.0  # s a failover waits for its replica to (re)connect
 
@@ -77,6 +82,8 @@ class StreamPipeline:
         self._slots = asyncio.Semaphore(limits.max_inflight_chunks)
         self._chunks: dict[int, asyncio.Future[Chunk]] = {}  # seq -> chunk, once planned
         self._ready_at: dict[int, float] = {}  # seq -> when its tokens were all in
+        self.playback = PlaybackClock(limits.deadlines) if limits.deadlines else None
+        self._due: dict[int, float] = {}  # seq -> playback deadline sent to the flow service
         # seq -> flow result; kept until the stream ends (bounded: 300 s of mel is 4.8 MB), so
         # a lost vocoder session can be replayed on another replica.
         self._mels: dict[int, asyncio.Future[FlowOutput]] = {}
@@ -142,7 +149,7 @@ class StreamPipeline:
             if self.ended:
                 raise InvalidArgument(kind or "message", "message after EndOfInput")
             if kind == "tokens":
-                ids = np.asarray(msg.tokens.tokens, np.int64)
+                ids = np.asarray(msg.tokens.tokens, np.uint64)  # uint64 on the wire
                 bad = np.flatnonzero(ids >= VOCAB_SIZE)
                 if bad.size:
                     i = int(bad[0])
@@ -154,7 +161,7 @@ class StreamPipeline:
                         "tokens",
                         f"more than {self.max_tokens} tokens: prompt + target would exceed 300 s",
                     )
-                self.tokens[self.num_tokens : self.num_tokens + ids.size] = ids
+                self.tokens[self.num_tokens : self.num_tokens + ids.size] = ids.astype(np.int64)
                 self.num_tokens += ids.size
             elif kind == "end":
                 self.ended = True
@@ -178,6 +185,8 @@ class StreamPipeline:
                 # The clock starts when the tokens are in, so time spent waiting for a slot
                 # counts as the gateway's (gateway_ms), not as transport.
                 ready_at = time.monotonic()
+                if self.playback is not None:
+                    self._due[chunk.seq] = self.playback.due(chunk, ready_at)
                 await self._slots.acquire()  # bounded in-flight chunks per stream
                 self._ready_at[chunk.seq] = ready_at
                 fut = asyncio.get_running_loop().create_future()
@@ -198,6 +207,7 @@ class StreamPipeline:
             finalize=chunk.finalize,
             streaming=chunk.streaming,
             timeout=self._timeout(),
+            due=self._due.get(chunk.seq, math.inf),
         )
         expected = TOKEN_MEL_RATIO * chunk.num_emit_tokens
         if out.mel.shape[1] != expected:
@@ -231,12 +241,16 @@ class StreamPipeline:
             chunk = self._chunks[seq].result()
             if not await self._ready(self._mels[seq], stop):
                 return
-            yield vocoder_pb2.VocoderChunk(
+            msg = vocoder_pb2.VocoderChunk(
                 request_id=session_id,
                 seq=seq,
                 mel=encode(self._mels[seq].result().mel),
                 finalize=chunk.finalize,
             )
+            if self.playback is not None:  # recomputed: playback may have started meanwhile
+                due = self.playback.due(chunk, self._ready_at[seq])
+                msg.slack_ms = slack_ms(due, time.monotonic())
+            yield msg
             if seq == self._num_sent:  # a new chunk, not a replayed one
                 self._num_sent += 1
                 self._slots.release()
@@ -374,6 +388,31 @@ class StreamPipeline:
             return None  # a live stream may last as long as its LLM talks
         return max(0.001, self.setup.deadline - time.monotonic())
 
+    # -- admission's view ---------------------------------------------------------------------
+    def remaining_work(self, now: float, expected_tokens: int) -> list[tuple[float, int]]:
+        """(deadline, DiT frames) of every flow call this stream still needs: those out or
+        planned and not answered, then the chunks its schedule will still make, up to the
+        tokens received (input ended) or `expected_tokens` (input open)."""
+        n_p = self.setup.voice.num_prompt_tokens
+        clock = self.playback or PlaybackClock(DeadlineConfig())
+        items = []
+        for seq, planned in list(self._chunks.items()):
+            if not planned.done():
+                continue  # a vocoder session waits for it; not planned yet
+            chunk = planned.result()
+            fut = self._mels.get(seq)
+            if fut is None or not fut.done():
+                due = self._due.get(seq)
+                if due is None:
+                    due = clock.due(chunk, self._ready_at[seq], project=True)
+                items.append((due, TOKEN_MEL_RATIO * (n_p + chunk.num_tokens)))
+        planner = copy.copy(self.planner)
+        total = self.num_tokens if self.ended else max(expected_tokens, self.num_tokens + 1)
+        while (chunk := planner.next_chunk(total, True)) is not None:
+            due = clock.due(chunk, now, project=True)
+            items.append((due, TOKEN_MEL_RATIO * (n_p + chunk.num_tokens)))
+        return items
+
     # -- the whole stream --------------------------------------------------------------------
     async def run(self, requests: AsyncIterator) -> AsyncIterator[gateway_pb2.SynthesizeResponse]:
         self._spawn(self._read(requests), "reader")
@@ -391,6 +430,8 @@ class StreamPipeline:
                     return
                 msg, ready_at = item
                 msg.timing.gateway_ms = (time.monotonic() - ready_at) * 1e3
+                if self.playback is not None:
+                    self.playback.sent(msg.num_samples / SAMPLE_RATE)
                 yield msg
         finally:
             if get is not None:

@@ -1,10 +1,12 @@
 """Finding replicas: a static list or a DNS name, one channel per address.
 
-Flow calls are stateless and idempotent, so they go round robin and move to the next replica on
-UNAVAILABLE. A stream's vocoder session lives on one replica, chosen by rendezvous (highest
-random weight) hashing of the request id over the current addresses: every gateway picks the
-same replica for the same id, and adding or removing a replica moves only the streams that
-hashed to it.
+Flow calls are stateless and idempotent, but a flow replica keeps a prefix cache per stream
+(keys/values of the blocks earlier calls computed), so a stream's calls go to one replica too,
+and move to the next-ranked replica on UNAVAILABLE (a cache miss there, same mel); calls
+without a request id go round robin. A stream's vocoder session lives on one replica. Both are
+chosen by rendezvous (highest random weight) hashing of the request id over the current
+addresses: every gateway picks the same replica for the same id, and adding or removing a
+replica moves only the streams that hashed to it.
 """
 
 from __future__ import annotations
@@ -49,13 +51,20 @@ def parse_spec(spec: str) -> tuple[list[str], tuple[str, int] | None]:
     return addrs, None
 
 
-def rendezvous(key: str, addresses: list[str]) -> str:
+def rendezvous_order(key: str, addresses: list[str]) -> list[str]:
+    """`addresses` by falling rendezvous weight for `key`: the first is the key's replica, the
+    rest are where it goes when that one is unavailable (the same order on every gateway)."""
+
     def weight(addr: str) -> int:
         return int.from_bytes(
             hashlib.blake2b(f"{key}|{addr}".encode(), digest_size=8).digest(), "big"
         )
 
-    return max(addresses, key=weight)
+    return sorted(addresses, key=weight, reverse=True)
+
+
+def rendezvous(key: str, addresses: list[str]) -> str:
+    return rendezvous_order(key, addresses)[0]
 
 
 class ReplicaSet:
@@ -147,12 +156,19 @@ class ReplicaSet:
         addrs = await self.addresses()
         start = self._next % len(addrs)
         self._next += 1
-        order = addrs[start:] + addrs[:start]
+        return self._healthy_first(addrs[start:] + addrs[:start])
+
+    def _healthy_first(self, order: list[str]) -> list[str]:
         if not self.unhealthy:
             return order
         return [a for a in order if a not in self.unhealthy] + [
             a for a in order if a in self.unhealthy
         ]
+
+    async def ranked(self, key: str) -> list[str]:
+        """All addresses, `key`'s replica first (the rest are retry targets, in order);
+        unhealthy replicas last."""
+        return self._healthy_first(rendezvous_order(key, await self.addresses()))
 
     async def pick(self, key: str, exclude: set[str] | frozenset[str] = frozenset()) -> str:
         """The replica for `key`, skipping `exclude` (replicas that failed it) while another

@@ -8,12 +8,14 @@ import uuid
 from collections import OrderedDict
 
 from gateway import metrics
+from gateway.admission import AdmissionConfig, AdmissionController
 from gateway.clients import ClientStreams, client_of
 from gateway.downstream import FlowClient
 from gateway.inbound import Inbound, InboundLimits
 from gateway.pipeline import PipelineLimits, StreamPipeline, StreamSetup
 from gateway.routing import ReplicaSet
 from gateway.schedule import ScheduleConfig
+from gateway.voices import VoiceMaker, voice_from_request
 from token2wav.errors import (
     InvalidArgument,
     NotFound,
@@ -22,7 +24,7 @@ from token2wav.errors import (
     check_request_id,
 )
 from token2wav.server import request_id_var
-from token2wav.tensors import VoiceData, decode_voice
+from token2wav.tensors import VoiceData, decode_voice, encode
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -91,9 +93,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         voices: VoiceRegistry,
         limits: PipelineLimits,
         max_streams: int,
+        voice_maker: VoiceMaker | None = None,
+        admission: AdmissionConfig = AdmissionConfig(),
         inbound: InboundLimits | None = None,
         per_client: ClientStreams | None = None,
     ):
+        self.voice_maker = voice_maker  # None: started without --frontend-dir
         self.flow = flow
         self.vocoders = vocoders
         self.voices = voices
@@ -102,6 +107,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.inbound = inbound or InboundLimits()
         self.per_client = per_client or ClientStreams()
         self.num_streams = 0
+        self.admission = AdmissionController(admission, flow.board)
 
     def _setup(self, msg, context, client: str) -> StreamSetup:
         if msg.WhichOneof("message") != "config":
@@ -151,10 +157,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if self.num_streams >= self.max_streams:
             raise ResourceExhausted(f"gateway at its limit of {self.max_streams} streams")
         self.per_client.acquire(client)
+        try:
+            pipeline = StreamPipeline(setup, self.flow, self.vocoders, self.limits)
+            await self.admission.admit(pipeline)  # RESOURCE_EXHAUSTED: it would make streams late
+        except BaseException:
+            self.per_client.release(client)
+            raise
         self.num_streams += 1
         metrics.ACTIVE_STREAMS.set(self.num_streams)
         started = time.monotonic()
-        pipeline = StreamPipeline(setup, self.flow, self.vocoders, self.limits)
         try:
             first_chunk = True
             async for msg in pipeline.run(inbound):
@@ -168,15 +179,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             metrics.STREAMS.labels(type(exc).__name__).inc()
             raise
         finally:
+            await self.admission.release(pipeline)
             self.num_streams -= 1
             self.per_client.release(client)
             metrics.ACTIVE_STREAMS.set(self.num_streams)
             metrics.STREAM_SECONDS.observe(time.monotonic() - started)
 
     async def RegisterVoice(self, request, context):
-        voice = decode_voice(request.voice, "voice")
+        voice, from_audio = await voice_from_request(request, self.voice_maker)
         voice_id, created = self.voices.register(voice, client_of(context))
-        return gateway_pb2.RegisterVoiceResponse(voice_id=voice_id, created=created)
+        return gateway_pb2.RegisterVoiceResponse(
+            voice_id=voice_id,
+            created=created,
+            prompt_token=encode(voice.prompt_token.astype("int32")),
+            voice=voice.to_proto() if from_audio else None,
+        )
 
     async def DeleteVoice(self, request, context):
         self.voices.delete(request.voice_id, client_of(context))

@@ -308,6 +308,7 @@ def test_replicated_stack_spreads_flow_calls_over_every_replica(tmp_path):
         "--flow-replicas=2",
         "--vocoder-replicas=2",
         "--flow-arg=--log-batches=true",
+        "--gateway-arg=--flow-affinity=call",  # every replica gets calls, whatever the hash
         "--startup-timeout=180",
         f"--out-dir={tmp_path}",
         "--quiet",
@@ -363,3 +364,27 @@ def test_flow_service_bench_counts_failed_calls_and_goes_on(tmp_path):
     for r in result["rows"]:
         assert r["errors"].get("DEADLINE_EXCEEDED", 0) == 2 * r["utterances"]
         assert r["utterances_completed"] == 0 and r["audio_s_per_s"] == 0
+
+
+def test_vocoder_dtype_overrides_only_the_vocoder(tmp_path):
+    from bench.stack import Stack, StackConfig
+    from flow_service.app import build_parser as flow_parser
+    from vocoder_service.__main__ import build_parser as vocoder_parser
+
+    def dtypes(cfg):
+        cmds = Stack(cfg, tmp_path).commands()
+        flow = flow_parser().parse_args(cmds["flow_service"][3:]).dtype
+        return flow, vocoder_parser().parse_args(cmds["vocoder_service"][3:]).dtype
+
+    assert dtypes(StackConfig(dtype="bfloat16")) == ("bfloat16", "bfloat16")  # as before
+    assert dtypes(StackConfig(dtype="bfloat16", vocoder_dtype="float32")) == (
+        "bfloat16",
+        "float32",
+    )
+
+
+def test_flow_service_bench_builds_the_model_the_flow_args_ask_for():
+    from bench.flow_service_bench import fp32_parts, parse_args
+
+    assert fp32_parts(parse_args([])) is True  # the service's default
+    assert fp32_parts(parse_args(["--flow-arg=--bf16-fp32-parts=false"])) is False

@@ -324,7 +324,8 @@ def go_seconds(text: str) -> float:
 def run_compose(compose, files, *args, env=None, cwd=ROOT):
     clean = {k: v for k, v in os.environ.items() if not k.startswith(COMPOSE_ENV_DROP)}
     clean.update(env or {})
-    argv = [*compose, "--project-directory", str(cwd)]
+    # --env-file /dev/null: a .env that `make base-image` wrote must not change what is checked.
+    argv = [*compose, "--project-directory", str(cwd), "--env-file", "/dev/null"]
     for f in files:
         argv += ["-f", str(f)]
     return subprocess.run(
@@ -390,8 +391,11 @@ def test_compose_stack_contract(compose, monkeypatch):
         if name in ("gateway", "vocoder"):
             assert grace > LONGEST_STREAM_S
         check_env_accepted(name, env, monkeypatch)
-    # Only the gateway publishes a port; flow and vocoder scale, so they must not.
-    assert [p["target"] for p in svcs["gateway"]["ports"]] == [50051]
+    # Only the gateway publishes ports (its metrics on loopback only); flow and vocoder scale,
+    # so they must not.
+    ports = {p["target"]: p for p in svcs["gateway"]["ports"]}
+    assert sorted(ports) == [9101, 50051] and ports[9101]["host_ip"] == "127.0.0.1"
+    assert ports[50051]["host_ip"] == "127.0.0.1"  # plain-text gRPC: loopback unless asked
     assert "ports" not in svcs["flow"] and "ports" not in svcs["vocoder"]
     for dep in ("flow", "vocoder"):
         assert svcs["gateway"]["depends_on"][dep]["condition"] == "service_healthy"
@@ -400,8 +404,9 @@ def test_compose_stack_contract(compose, monkeypatch):
         )
         # The gateway must share a network with its replicas (that is where DNS answers).
         assert set(svcs[dep]["networks"]) & set(svcs["gateway"]["networks"])
-    # Every service builds the same image from the same Dockerfile with the public base.
-    assert len({(s["image"], json.dumps(s["build"], sort_keys=True)) for s in svcs.values()}) == 1
+    # One image, built once: only flow builds it (public base), the others run what it tags.
+    assert len({s["image"] for s in svcs.values()}) == 1
+    assert [name for name, s in svcs.items() if "build" in s] == ["flow"]
     assert svcs["flow"]["build"]["args"]["BASE_IMAGE"] == dockerfile_arg("BASE_IMAGE")
 
 
@@ -419,8 +424,8 @@ def test_compose_gpu_and_weights_overrides(compose):
     assert "deploy" not in svcs["gateway"]
     # One CUDA image for all three, built from a CUDA base and the CUDA torch index.
     images = {s["image"] for s in svcs.values()}
-    assert len(images) == 1
-    args = svcs["gateway"]["build"]["args"]
+    assert len(images) == 1 and [n for n, s in svcs.items() if "build" in s] == ["flow"]
+    args = svcs["flow"]["build"]["args"]
     assert "nvidia/cuda" in args["BASE_IMAGE"] and "/whl/cu" in args["TORCH_INDEX_URL"]
 
 
@@ -464,3 +469,51 @@ def test_dockerignore_keeps_what_the_dockerfile_copies():
             f"COPY {src}: excluded by .dockerignore"
         )
     assert not any(a in (".venv", ".git") for a in allowed)
+
+
+def test_offline_build_env_pins_the_local_wheel(tmp_path):
+    """deploy/base-image/env.sh (what `make base-image` writes to .env and the smoke test
+    exports), against a stand-in `docker` that knows the base image and its Python."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "docker"
+    fake.write_text('#!/bin/sh\n[ "$1" = run ] && echo cp311\nexit 0\n')
+    fake.chmod(0o755)
+    wheel = tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", TORCH_WHEEL=str(wheel))
+    copied = ROOT / "deploy/wheels" / wheel.name
+    try:
+        out = subprocess.run(
+            [ROOT / "deploy/base-image/env.sh", "base:local"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert copied.is_file()  # the build context offers it to pip (--find-links)
+    finally:
+        copied.unlink(missing_ok=True)
+    assert out.stdout.splitlines() == [
+        "T2W_BASE_IMAGE=base:local",
+        "T2W_TORCH_SPEC=torch==2.13.0+cpu",
+        "T2W_TORCH_INDEX_URL=https://pypi.org/simple",
+    ]
+    env.update(TORCH_WHEEL="", INDEX_URL="https://mirror.example/simple")
+    out = subprocess.run(
+        [ROOT / "deploy/base-image/env.sh", "base:local"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert out.stdout.splitlines() == [
+        "T2W_BASE_IMAGE=base:local",
+        "T2W_TORCH_INDEX_URL=https://mirror.example/simple",
+    ]
+    # Every key it writes is one docker-compose.yml's build reads.
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert all(
+        f"${{{k}:-" in text for k in ("T2W_BASE_IMAGE", "T2W_TORCH_SPEC", "T2W_TORCH_INDEX_URL")
+    )

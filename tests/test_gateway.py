@@ -75,9 +75,9 @@ async def start_stack(models, *gateway_flags, flow_delay=None, flow_flags=()):
     if flow_delay is not None:  # inject per-chunk delays in front of the flow engine
         submit = engine.submit
 
-        async def delayed(request, deadline):
+        async def delayed(request, *args, **kw):
             await asyncio.sleep(flow_delay(request))
-            return await submit(request, deadline)
+            return await submit(request, *args, **kw)
 
         engine.submit = delayed
     vargs = vocoder_parser().parse_args(["--port", "0", "--metrics-port", "0"])

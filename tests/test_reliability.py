@@ -192,13 +192,14 @@ async def test_request_id_with_a_newline_is_refused_by_flow(models):
 
 
 async def test_taken_port_fails_at_start_naming_it(models):
+    from token2wav.errors import StartupError
     from token2wav.server import GrpcServer, ServerOptions
 
     first = GrpcServer(ServerOptions(port=0), [], lambda s: None)
     port = await first.start()
     try:
         second = GrpcServer(ServerOptions(port=port), [], lambda s: None)
-        with pytest.raises(OSError, match=f"127.0.0.1:{port}"):
+        with pytest.raises(StartupError, match=f"127.0.0.1:{port}"):
             await second.start()
     finally:
         await first.drain()
@@ -366,9 +367,9 @@ def count_calls(engine) -> list[int]:
     calls = [0]
     submit = engine.submit
 
-    async def counted(request, deadline):
+    async def counted(*args, **kw):
         calls[0] += 1
-        return await submit(request, deadline)
+        return await submit(*args, **kw)
 
     engine.submit = counted
     return calls

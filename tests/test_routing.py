@@ -6,9 +6,10 @@ import asyncio
 import socket
 
 import grpc
+import numpy as np
 import pytest
 
-from gateway.routing import ReplicaSet, parse_spec, rendezvous
+from gateway.routing import ReplicaSet, parse_spec, rendezvous, rendezvous_order
 
 METHOD = "/t2w.test.Slow/Wait"
 
@@ -171,3 +172,85 @@ async def test_ejected_replica_is_tried_last_until_checked():
     rs.unhealthy = set()  # a health round found it SERVING
     assert {(await rs.round_robin())[0] for _ in range(3)} == {"a:1", "b:2", "c:3"}
     await rs.close()
+
+
+class _FakeFlow:
+    """A Flow servicer that records which stream called it; `down` answers UNAVAILABLE."""
+
+    def __init__(self, down: bool = False):
+        self.down = down
+        self.calls: list[str] = []
+
+    async def Generate(self, request, context):
+        from token2wav.tensors import encode
+        from token2wav.v1 import flow_pb2
+
+        if self.down:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+        self.calls.append(request.request_id)
+        frames = 2 * (len(request.tokens.data) // 4 - 3 - request.token_offset)
+        return flow_pb2.GenerateResponse(mel=encode(np.zeros((80, frames), np.float32)))
+
+
+async def _fake_flow_servers(fakes: list[_FakeFlow]) -> tuple[list, list[str]]:
+    from token2wav.v1 import flow_pb2_grpc
+
+    servers, addrs = [], []
+    for fake in fakes:
+        server = grpc.aio.server()
+        flow_pb2_grpc.add_FlowServicer_to_server(fake, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        addrs.append(f"127.0.0.1:{port}")
+    return servers, addrs
+
+
+@pytest.mark.asyncio
+async def test_flow_calls_of_a_stream_stick_to_one_replica_and_fail_over(monkeypatch):
+    """A stream's flow calls all go to its rendezvous replica (its prefix cache is there); when
+    that replica answers UNAVAILABLE they go to the next-ranked one, never an error."""
+    from bench.workload import make_bench_voice
+    from gateway.downstream import FlowClient
+
+    fakes = [_FakeFlow() for _ in range(3)]
+    servers, addrs = await _fake_flow_servers(fakes)
+    _fake_dns(monkeypatch, {})  # a static list: nothing is resolved
+    replicas = ReplicaSet(",".join(addrs))
+    client = FlowClient(replicas)
+    voice = make_bench_voice(0, 0, 10)
+    tokens = np.arange(40, dtype=np.int64)
+
+    async def stream(rid: str, calls: int = 3) -> None:
+        for seq in range(calls):
+            out = await client.generate(
+                request_id=rid,
+                seq=seq,
+                voice=voice,
+                tokens=tokens[: 10 * (seq + 1) + 3],
+                token_offset=10 * seq,
+                finalize=False,
+                streaming=True,
+                timeout=10,
+            )
+            assert out.mel.shape == (80, 20)
+
+    try:
+        rids = [f"stream-{i}" for i in range(12)]
+        for rid in rids:
+            await stream(rid)
+        for rid in rids:
+            home = addrs.index(rendezvous(rid, addrs))
+            assert [f.calls.count(rid) for f in fakes] == [3 if i == home else 0 for i in range(3)]
+        assert len({rendezvous(rid, addrs) for rid in rids}) > 1  # streams spread out
+        # the home replica of a stream goes down: its calls move to its second-ranked replica
+        rid = "stream-failover"
+        first, second = (addrs.index(a) for a in rendezvous_order(rid, addrs)[:2])
+        fakes[first].down = True
+        await stream(rid)
+        assert fakes[second].calls.count(rid) == 3
+        assert sum(f.calls.count(rid) for f in fakes) == 3
+    finally:
+        await replicas.close()
+        for server in servers:
+            await server.stop(None)

@@ -26,9 +26,15 @@ from vocoder_service.chunks import Chunk
 from vocoder_service.config import BatcherConfig, SessionConfig, VocoderServiceConfig
 from vocoder_service.export import RetryEntry, SessionSnapshot, pack_session, unpack_session
 from vocoder_service.manager import SessionManager
-from vocoder_service.model import HOLDBACK_FRAMES, HOP_SAMPLES, HiFTSessionState, load_hift
+from vocoder_service.model import (
+    HOLDBACK_FRAMES,
+    HOP_SAMPLES,
+    HiFTSessionState,
+    InvalidInput,
+    load_hift,
+)
 from vocoder_service.runner import HiFTRunner, StepOutput
-from vocoder_service.server import create_server
+from vocoder_service.server import VocoderService, create_server
 
 ROOT = Path(__file__).resolve().parent.parent
 Code = grpc.StatusCode
@@ -102,10 +108,12 @@ class Client:
 async def serve(model):
     made = []
 
-    async def make(**kw) -> Client:
+    async def make(hift=None, **kw) -> Client:
         batch = {k: kw.pop(k) for k in ("max_batch_sessions", "max_wait_ms") if k in kw}
         cfg = VocoderServiceConfig(sessions=SessionConfig(**kw), batcher=BatcherConfig(**batch))
-        srv, port = await create_server(ServerOptions(port=0, grace_period=1), cfg, model=model)
+        srv, port = await create_server(
+            ServerOptions(port=0, grace_period=1), cfg, model=hift or model
+        )
         ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         made.append((srv, ch))
         return Client(srv, ch)
@@ -350,6 +358,29 @@ async def test_export_import_moves_a_session_between_replicas(serve, model):
     assert np.array_equal(audio(retry[0]), audio(first[1]))
     rest = await b.run(msgs[2:])
     assert np.abs(stitch(first + rest) - reference(model, mel)).max() <= 1e-3
+
+
+async def test_sessions_do_not_move_between_phase_modes(serve):
+    """A session's phase state is in its mode's own units: an "exact" session imported into an
+    "upstream" replica would continue with a wrong phase, so the import is refused up front."""
+    a = await serve()
+    b = await serve(hift=load_hift(None, preset="small", phase_mode="upstream"))
+    assert a.manager.model_tag == "small:phase-exact"
+    assert b.manager.model_tag == "small:phase-upstream"
+    await a.run([chunk("mode", 0, make_mel(31, 20))])
+    exported = await a.stub.ExportSession(vocoder_pb2.ExportSessionRequest(request_id="mode"))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await b.stub.ImportSession(
+            vocoder_pb2.ImportSessionRequest(request_id="mode", state=exported.state, next_seq=1)
+        )
+    assert info.value.code() == Code.INVALID_ARGUMENT
+    assert "phase-exact" in info.value.details(), info.value.details()
+    # Behind the envelope, the state itself is bound to the mode too (its fingerprint).
+    snap = unpack_session(exported.state, a.manager.model_tag)
+    st = HiFTSessionState.from_bytes(snap.state)
+    assert st.fingerprint.endswith("phase-exact")
+    with pytest.raises(InvalidInput, match="another model"):
+        b.server.service.model.check_chunk(st, torch.zeros(80, 10), False)
 
 
 @pytest.mark.parametrize("max_batch", [1, 32], ids=["steps-of-one", "batched-steps"])
@@ -619,16 +650,44 @@ def test_cli_flags_mirror_env(monkeypatch):
     monkeypatch.setenv("VOCODER_MAX_BATCH_SESSIONS", "1")
     monkeypatch.setenv("VOCODER_MODEL_DIR", "")  # compose writes empty values for "unset"
     monkeypatch.setenv("VOCODER_PRESET", "")
+    monkeypatch.setenv("VOCODER_PHASE_MODE", "upstream")
     parser = build_parser()
     args = parser.parse_args(["--idle-timeout", "7"])
     cfg = config_from_args(args)
     assert cfg.batcher.max_batch_sessions == 1 and cfg.sessions.idle_timeout_s == 7
     assert cfg.model.model_dir is None and cfg.model.preset is None
+    assert cfg.model.phase_mode == "upstream"
+    assert config_from_args(parser.parse_args(["--phase-mode", "exact"])).model.phase_mode == (
+        "exact"
+    )
     assert args.port == 50053 and args.metrics_port == 9103
     text = " ".join(parser.format_help().split())
-    flags = "--model-dir --preset --device --dtype --max-sessions --gap-timeout --reorder-window"
+    flags = "--model-dir --preset --device --dtype --phase-mode --max-sessions --gap-timeout"
     for flag in (*flags.split(), "--reorder-bytes", "--max-batch-sessions", "--max-wait-ms"):
         assert flag in text and f"[env {parser.env_name(flag)}]" in text
+
+
+@pytest.mark.parametrize("mode", ["exact", "upstream"])
+def test_phase_mode_reaches_the_model(mode):
+    from vocoder_service.__main__ import build_parser, config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(["--phase-mode", mode]))
+    service = VocoderService(cfg)  # loads the model as `python -m vocoder_service` does
+    assert service.model.cfg.phase_mode == mode
+    assert service.model.new_session().fingerprint.endswith(f"phase-{mode}")
+    assert service.manager.model_tag == f"small:phase-{mode}"
+
+
+def test_bad_phase_mode_is_named(monkeypatch, capsys):
+    from vocoder_service.__main__ import main
+
+    monkeypatch.setenv("VOCODER_PHASE_MODE", "cuda")  # env values skip argparse's choices
+    with pytest.raises(SystemExit):
+        main([])
+    assert "phase_mode 'cuda'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--phase-mode", "fast"])
+    assert "--phase-mode" in capsys.readouterr().err
 
 
 def test_python_m_vocoder_service_serves_and_drains():

@@ -8,8 +8,15 @@ configured with env vars alone and a human can see everything with --help.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
+from collections.abc import Callable
 from typing import Any
+
+import grpc
+
+from token2wav.errors import StartupError
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -98,3 +105,77 @@ def add_server_flags(
         help="serve gRPC reflection (grpcurl can list the API); turn off in production",
     )
     parser.flag("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)")
+
+
+# -- start-up failures: one line on stderr, the traceback only at debug level -----------------
+
+# Exceptions whose message is meant for the user as it is; anything else is shown with its type.
+_USER_ERRORS = (StartupError, OSError, ValueError)
+
+
+def one_line(exc: BaseException) -> str:
+    """A one-line description of `exc`: its first line, the file named for an OSError, the type
+    named when it is not a user-facing error, and a pointer to the rest when there is more."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):  # a call's status, as sent
+        details = ((exc.details() or "").strip().splitlines() or [""])[0]
+        return f"{exc.code().name}: {details}"
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    text = lines[0].strip() if lines else ""
+    # Checkpoint errors of both model packages are RuntimeErrors written for the user.
+    user = isinstance(exc, _USER_ERRORS) or type(exc).__name__ == "CheckpointError"
+    if not user or not text:
+        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    if len(lines) > 1 or not user:
+        text += " (--log-level debug shows the details)"
+    return text
+
+
+def run_main(prog: str, body: Callable[[], int | None]) -> int:
+    """Run a command-line entry point: its exit status, or 1 with one line `prog: error: ...` on
+    stderr when it raises (the traceback goes to the log at DEBUG level); 130 on Ctrl-C."""
+    try:
+        status = body()
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every failure ends as one line, detail at DEBUG
+        logging.getLogger(prog).debug("%s failed", prog, exc_info=True)
+        print(f"{prog}: error: {one_line(exc)}", file=sys.stderr, flush=True)
+        return 1
+    return 0 if status is None else status
+
+
+def check_device(device: str, flag: str = "--device") -> None:
+    """Fail early, in one line, on a device this torch cannot use (`cuda` on a CPU build)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise StartupError(f"{flag} {device!r}: not a device (cpu, cuda or cuda:N)") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise StartupError(f"{flag} {device!r}: only cpu and cuda devices are supported")
+    if torch.version.cuda is None:
+        raise StartupError(
+            f"{flag} {device}: this torch ({torch.__version__}) is a CPU-only build; "
+            "use --device cpu or install a CUDA build of torch"
+        )
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise StartupError(f"{flag} {device}: no CUDA device is visible; use --device cpu")
+    if dev.index is not None and dev.index >= count:
+        raise StartupError(f"{flag} {device}: only {count} CUDA device(s) (cuda:0..{count - 1})")
+
+
+def check_ports(args: argparse.Namespace) -> None:
+    """Fail at once, in one line, when --port or --metrics-port is taken: before a model loads
+    for minutes only to find its port in use (the server checks again when it binds)."""
+    from token2wav.server import bind_problem
+
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        problem = bind_problem(args.host, port) if port else None
+        if problem is not None:
+            raise StartupError(f"{flag} {port}: {problem}")

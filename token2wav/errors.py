@@ -44,6 +44,12 @@ class ResourceExhausted(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class FailedPrecondition(ServiceError):
+    """The call needs something this server was not started with (the message names the flag)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
@@ -118,3 +124,10 @@ async def announce_status(context, exc: BaseException) -> None:
         await context.send_initial_metadata(((STATUS_KEY, code.name), (DETAILS_KEY, text)))
     except Exception:  # noqa: BLE001 - metadata already sent (responses went out): nothing to add
         pass
+
+
+class StartupError(Exception):
+    """A start-up failure the user can fix (port taken, no CUDA, bad checkpoint, missing file).
+
+    Its message is one line that names the flag or the file; `token2wav.cli.run_main` prints it
+    without a traceback."""

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import errno
 import logging
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram, start_http_server
 
-from token2wav.errors import BadMessage, status_for
+from token2wav.errors import BadMessage, StartupError, status_for
 from token2wav.security import server_credentials
 
 logger = logging.getLogger(__name__)
@@ -93,9 +95,21 @@ def channel_options(max_message_mb: int = 64) -> list[tuple[str, int]]:
     ]
 
 
-# Servers only: no SO_REUSEPORT, so a second server on a taken port fails at start instead of
-# sharing the port (and half the calls) with the first.
-SERVER_ONLY_OPTIONS = [("grpc.so_reuseport", 0)]
+def bind_problem(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be listened on, in words; None when it can. Probes the way grpc
+    binds (SO_REUSEADDR, so a port in TIME_WAIT is free), so a taken port is named before grpc
+    logs its own multi-line complaint."""
+    addr = host.strip("[]")
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((addr, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return f"{host}:{port} is already in use (another process listens there)"
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
 
 
 class RequestIdFilter(logging.Filter):
@@ -254,7 +268,9 @@ class GrpcServer:
         opts = self.options
         self.server = grpc.aio.server(
             interceptors=[ErrorInterceptor(), *opts.interceptors],
-            options=channel_options(opts.max_message_mb) + SERVER_ONLY_OPTIONS,
+            # No SO_REUSEPORT: with it a second server binds a taken port silently and the
+            # two split the connections; without it a taken port fails here, at start.
+            options=[*channel_options(opts.max_message_mb), ("grpc.so_reuseport", 0)],
         )
         self._register(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -269,19 +285,30 @@ class GrpcServer:
             )
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{opts.host}:{opts.port}"
-        try:
-            if opts.tls_cert:
-                creds = server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)
-                self.port = self.server.add_secure_port(address, creds)
-            else:
-                self.port = self.server.add_insecure_port(address)
-        except RuntimeError:  # grpc >= 1.60 raises where older versions returned 0
-            self.port = 0
+        problem = bind_problem(opts.host, opts.port) if opts.port else None
+        if problem is None:
+            try:
+                if opts.tls_cert:
+                    creds = server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)
+                    self.port = self.server.add_secure_port(address, creds)
+                else:
+                    self.port = self.server.add_insecure_port(address)
+            except RuntimeError:  # grpc says only "Failed to bind"
+                self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind {opts.host}:{opts.port} (port in use, or bad address)")
+            problem = problem or bind_problem(opts.host, opts.port) or "cannot listen there"
+            raise StartupError(f"--port {opts.port}: {problem}")
         await self.server.start()
         if opts.metrics_port is not None:
-            self._metrics_httpd, _ = start_http_server(opts.metrics_port, addr=opts.host)
+            try:
+                self._metrics_httpd, _ = start_http_server(opts.metrics_port, addr=opts.host)
+            except OSError as exc:
+                await self.server.stop(None)
+                raise StartupError(
+                    f"--metrics-port {opts.metrics_port}: cannot listen on "
+                    f"{opts.host}:{opts.metrics_port}: {exc.strerror or exc} "
+                    "(another process has it? 0 turns metrics off)"
+                ) from None
             self.metrics_port = self._metrics_httpd.server_port
         logger.info(
             "listening on %s:%d (%s; metrics %s)",

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import sys
 
-from token2wav.cli import EnvParser, add_server_flags
+from token2wav.cli import EnvParser, add_server_flags, check_device, check_ports, run_main
 from token2wav.security import PeerCertAuth
 from token2wav.server import ServerOptions, setup_logging
 from vocoder_service.config import (
@@ -34,6 +33,13 @@ def build_parser() -> EnvParser:
     )
     p.flag("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.flag("--dtype", default="float32", choices=["float32", "bfloat16"], help="decoder dtype")
+    p.flag(
+        "--phase-mode",
+        default="exact",
+        choices=["exact", "upstream"],
+        help="sine phase rounding: exact (float64, no drift on long utterances) or upstream "
+        "(upstream's float32 cumsum, as upstream on CPU); sessions only move between equal modes",
+    )
     p.flag("--max-sessions", type=int, default=s.max_num_sessions, help="open sessions cap")
     p.flag("--idle-timeout", type=float, default=s.idle_timeout_s, help="s before eviction")
     p.flag("--gap-timeout", type=float, default=s.gap_timeout_s, help="s a seq gap may last")
@@ -75,7 +81,9 @@ def server_options(args) -> ServerOptions:
 def config_from_args(args) -> VocoderServiceConfig:
     return VocoderServiceConfig(
         # An empty env var (VOCODER_MODEL_DIR=, as compose files write) means unset.
-        model=ModelConfig(args.preset or None, args.model_dir or None, args.device, args.dtype),
+        model=ModelConfig(
+            args.preset or None, args.model_dir or None, args.device, args.dtype, args.phase_mode
+        ),
         sessions=SessionConfig(
             max_num_sessions=args.max_sessions,
             idle_timeout_s=args.idle_timeout,
@@ -103,12 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         server = VocoderServer(options, VocoderService(config))
         await server.run(server.warmup)
 
-    try:
+    def body() -> None:
+        check_ports(args)
+        check_device(args.device)
         asyncio.run(run())
-    except Exception:  # noqa: BLE001 - report start-up failures (bad weights, port) plainly
-        logging.getLogger("vocoder_service").exception("vocoder service failed")
-        return 1
-    return 0
+
+    # start-up failures (port taken, no CUDA, bad weights) end as one line; details at DEBUG
+    return run_main("vocoder_service", body)
 
 
 if __name__ == "__main__":

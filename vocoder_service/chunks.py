@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -41,6 +42,7 @@ class Chunk:
     ready_at: float = 0.0  # when it became the next applicable chunk of its session
     future: asyncio.Future | None = None  # -> ChunkAudio; shared by duplicates of this seq
     session: Session | None = None  # the session object it was admitted to
+    due: float = math.inf  # playback deadline on the manager's clock (from slack_ms); inf: none
 
     def __post_init__(self):
         if not self.digest:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from token2wav import MAX_FRAMES, MEL_BINS
 
 MEL_FRAME_BYTES = MEL_BINS * 4  # one float32 mel frame on the wire
+PHASE_MODES = ("exact", "upstream")
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,15 @@ class ModelConfig:
     model_dir: str | None = None  # directory holding hift.pt; None: random weights
     device: str = "cpu"
     dtype: str = "float32"  # float32 | bfloat16 (the f0 path stays float64 inside the model)
+    # How the sine source's phase is rounded (layers.SourceModule): "exact" integrates f0 in
+    # float64 (no drift over 300 s); "upstream" reproduces upstream's float32 cumsum rounding.
+    phase_mode: str = "exact"
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype {self.dtype!r}: want float32 or bfloat16")
+        if self.phase_mode not in PHASE_MODES:
+            raise ValueError(f"phase_mode {self.phase_mode!r}: want exact or upstream")
 
 
 @dataclass(frozen=True)

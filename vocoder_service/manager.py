@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -215,12 +216,19 @@ class SessionManager:
             await self._ready_event.wait()
 
     def take_ready(self, max_num: int) -> list[Chunk]:
-        """Up to `max_num` runnable chunks, at most one per session, oldest first; each one's
-        session is marked in flight until `complete` or `reject`."""
+        """Up to `max_num` runnable chunks, at most one per session, least slack (earliest
+        playback deadline) first, then oldest first (chunks without a deadline come last, in
+        arrival order, as before deadlines); each one's session is marked in flight until
+        `complete` or `reject`."""
         taken: list[Chunk] = []
         now = self.clock()
-        while self._ready and len(taken) < max_num:
-            _, s = self._ready.popitem(last=False)
+        order = list(self._ready.values())
+        if any(s.pending[s.next_seq].due < math.inf for s in order):
+            order.sort(key=lambda s: s.pending[s.next_seq].due)  # stable: FIFO among equals
+        for s in order:
+            if len(taken) >= max_num:
+                break
+            del self._ready[s.request_id]
             chunk = s.pending.pop(s.next_seq)
             s.pending_bytes -= chunk.nbytes
             if s.num_frames + chunk.num_frames > self.max_session_frames:

@@ -32,8 +32,20 @@ def load_model(cfg: ModelConfig) -> Any:
     from vocoder_service.model import load_hift
 
     return load_hift(
-        cfg.model_dir, device=cfg.device, dtype=DTYPES[cfg.dtype], preset=resolve_preset(cfg)
+        cfg.model_dir,
+        device=cfg.device,
+        dtype=DTYPES[cfg.dtype],
+        preset=resolve_preset(cfg),
+        phase_mode=cfg.phase_mode,
     )
+
+
+def model_tag(cfg: ModelConfig, model: Any) -> str:
+    """What an exported session may only continue on: the architecture and the phase rounding
+    (a session carries its phase state in the mode's own units). The model's own mode wins
+    over the config's when a model is passed in."""
+    phase = getattr(getattr(model, "cfg", None), "phase_mode", cfg.phase_mode)
+    return f"{resolve_preset(cfg)}:phase-{phase}"
 
 
 class VocoderService:
@@ -49,9 +61,9 @@ class VocoderService:
             config.sessions,
             self.runner.new_state,
             HiFTSessionState.from_bytes,
-            # Exported state carries this model's f0 and mel tail: it may only continue on the
-            # same architecture (the state's own fingerprint checks the geometry).
-            model_tag=resolve_preset(config.model),
+            # Exported state carries this model's f0, phase and mel tail: it may only continue
+            # on the same architecture and phase mode (the state's fingerprint checks both too).
+            model_tag=model_tag(config.model, self.model),
             max_session_frames=MAX_SAMPLES // HOP_SAMPLES,
         )
         self.batcher = Batcher(self.manager, self.runner, config.batcher)

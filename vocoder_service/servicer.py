@@ -84,6 +84,8 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
             try:
                 async for msg in request_iterator:
                     chunk = chunk_from_proto(msg, self.manager.config, self.max_seq)
+                    if msg.HasField("slack_ms"):  # relative to the send: starts on arrival
+                        chunk.due = self.manager.clock() + msg.slack_ms / 1e3
                     request_id_var.set(chunk.request_id)
                     fut = self.manager.submit(chunk)
                     if chunk.request_id not in attached:

@@ -56,31 +56,22 @@ if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
     log "building base image $BASE_IMAGE (debootstrap, a few minutes)"
     deploy/base-image/build.sh "$BASE_IMAGE"
 fi
-pytag="$(docker run --rm "$BASE_IMAGE" python3 -c \
-    'import sys; print("cp%d%d" % sys.version_info[:2])')"
-log "base image $BASE_IMAGE, python $pytag"
-
-export T2W_IMAGE="token2wav:smoke" T2W_BASE_IMAGE="$BASE_IMAGE"
-if [[ -n "${SMOKE_INDEX_URL:-}" ]]; then
-    export T2W_TORCH_INDEX_URL="$SMOKE_INDEX_URL"
-fi
-wheel="${SMOKE_TORCH_WHEEL-$(compgen -G "/opt/wheels/torch-*-$pytag-*linux*x86_64.whl" | sort | tail -1 || true)}"
-if [[ -n "$wheel" ]]; then
-    cp -u "$wheel" deploy/wheels/
-    # torch-2.13.0+cpu-cp311-... -> torch==2.13.0+cpu: pin exactly the local file.
-    version="$(basename "$wheel" | cut -d- -f2)"
-    export T2W_TORCH_SPEC="torch==$version"
-    export T2W_TORCH_INDEX_URL="${SMOKE_INDEX_URL:-https://pypi.org/simple}"
-    log "torch from local wheel $(basename "$wheel") ($T2W_TORCH_SPEC)"
-fi
-if ls /usr/local/share/ca-certificates/*.crt >/dev/null 2>&1; then
-    cp -u /usr/local/share/ca-certificates/*.crt deploy/certs/
-    log "extra CAs for the build stage: $(cd deploy/certs && echo *.crt)"
-fi
+# deploy/base-image/env.sh: the build settings (base image, local torch wheel, CAs), the same
+# ones `make base-image` writes to .env for `make compose-up`.
+if [[ -n "${SMOKE_TORCH_WHEEL+set}" ]]; then export TORCH_WHEEL="$SMOKE_TORCH_WHEEL"; fi
+if [[ -n "${SMOKE_INDEX_URL:-}" ]]; then export INDEX_URL="$SMOKE_INDEX_URL"; fi
+build_env="$(deploy/base-image/env.sh "$BASE_IMAGE")" || fail "build settings for $BASE_IMAGE"
+while IFS= read -r line; do
+    export "${line?}"
+    log "build: $line"
+done <<<"$build_env"
+export T2W_IMAGE="token2wav:smoke"
 
 # The gateway's published port: a free loopback port, so a host service on 50051 is no clash.
 port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-export GATEWAY_HOST_IP=127.0.0.1 GATEWAY_HOST_PORT="$port" GATEWAY_RESOLVE_INTERVAL=2
+mport="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+export GATEWAY_HOST_IP=127.0.0.1 GATEWAY_HOST_PORT="$port" GATEWAY_METRICS_HOST_PORT="$mport"
+export GATEWAY_RESOLVE_INTERVAL=2
 dc() { "${COMPOSE[@]}" -p "$PROJECT" "$@"; }
 
 work="$(mktemp -d /tmp/t2w-smoke.XXXXXX)"
@@ -180,6 +171,10 @@ log "client: make-sample, then synthesize through 127.0.0.1:$port"
 "$PY" -m gateway.client make-sample --out-dir "$work" --num-tokens "$TOKENS" >/dev/null
 synthesize "$work/one.wav"
 check_wav "$work/one.wav"
+"$PY" -c 'import sys, urllib.request as u; t = u.urlopen(sys.argv[1], timeout=5).read().decode()
+assert "t2w_gateway_streams_total" in t, "no gateway metrics"' "http://127.0.0.1:$mport/metrics" ||
+    fail "gateway metrics not reachable on 127.0.0.1:$mport"
+log "gateway metrics reachable at http://127.0.0.1:$mport/metrics"
 first_flow="$(dc ps -q flow)"
 log "flow replica 1 served $(flow_calls "$first_flow") Generate calls"
 

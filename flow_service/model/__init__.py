@@ -32,6 +32,7 @@ from flow_service.model.loading import (
     load_flow,
     read_state_dict,
 )
+from flow_service.model.prefix_cache import PrefixCache
 from flow_service.model.requests import (
     ChunkRequest,
     InvalidInput,
@@ -61,6 +62,7 @@ __all__ = [
     "FlowModel",
     "GraphedEstimator",
     "InvalidInput",
+    "PrefixCache",
     "Voice",
     "attention_bias",
     "config_from_state_dict",

@@ -48,19 +48,39 @@ def attention_bias(
     valid key. Padded keys are hidden from every row (`mask_padding=False` exists only to show
     that the batch-invariance test catches a leak).
     """
+    pos = torch.arange(num_frames, device=seq_lens.device)
+    query_pos = pos.expand(seq_lens.shape[0], -1)
+    return ragged_attention_bias(
+        query_pos, seq_lens, streaming, num_frames, block_frames, dtype, mask_padding
+    )
+
+
+def ragged_attention_bias(
+    query_pos: torch.Tensor,
+    seq_lens: torch.Tensor,
+    streaming: torch.Tensor,
+    num_keys: int,
+    block_frames: int,
+    dtype: torch.dtype,
+    mask_padding: bool = True,
+) -> torch.Tensor:
+    """`attention_bias` for queries at any absolute positions: (r, 1, q, num_keys).
+
+    query_pos [r, q] is the absolute frame of each query row (the prefix cache computes only
+    the new frames of a row, against keys at absolute positions 0..num_keys-1)."""
     device = seq_lens.device
-    num_rows = seq_lens.shape[0]
-    pos = torch.arange(num_frames, device=device)
-    block_end = (pos // block_frames + 1) * block_frames
-    block_causal = pos[None, :] < block_end[:, None]  # (t, t)
-    allowed = block_causal[None] | ~streaming[:, None, None]  # (r, t, t)
+    num_rows, num_queries = query_pos.shape
+    keys = torch.arange(num_keys, device=device)
+    block_end = (query_pos // block_frames + 1) * block_frames  # (r, q)
+    allowed = keys[None, None, :] < block_end[:, :, None]  # (r, q, k)
+    allowed = allowed | ~streaming[:, None, None]
     if mask_padding:
         # A row of length 0 would leave its queries no key (NaN); give it key 0, never read.
         lens = seq_lens.clamp(min=1)
-        allowed = allowed & (pos[None, None, :] < lens[:, None, None])
-    width = -(-num_frames // BIAS_ALIGN) * BIAS_ALIGN
-    bias = torch.full((num_rows, 1, num_frames, width), float("-inf"), dtype=dtype, device=device)
-    bias = bias[..., :num_frames]  # aligned row stride: SDPA uses it without a padded copy
+        allowed = allowed & (keys[None, None, :] < lens[:, None, None])
+    width = -(-num_keys // BIAS_ALIGN) * BIAS_ALIGN
+    bias = torch.full((num_rows, 1, num_queries, width), float("-inf"), dtype=dtype, device=device)
+    bias = bias[..., :num_keys]  # aligned row stride: SDPA uses it without a padded copy
     return bias.masked_fill_(allowed[:, None], 0.0)
 
 
@@ -96,7 +116,9 @@ class CausalConvPositionEmbedding(nn.Module):
         self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel, groups=groups), nn.Mish())
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel, groups=groups), nn.Mish())
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """`keep` (r, t, 1) is 0 on frames before position 0 (a prefix-cache window): zero
+        there, both stages' inputs are what the left zero pad would give."""
         num_frames = h.shape[1]
         y = h.transpose(1, 2)  # (r, d, t)
         # cuDNN's heuristic picks, for this fp32 grouped conv at t <= ~210 frames (a first chunk),
@@ -106,6 +128,8 @@ class CausalConvPositionEmbedding(nn.Module):
         floor = MIN_FP32_CONV_FRAMES if h.is_cuda and h.dtype == torch.float32 else 0
         extra = max(0, floor - num_frames)
         y = self.conv1(F.pad(y, (self.kernel - 1, extra)))
+        if keep is not None:
+            y = y * F.pad(keep.transpose(1, 2), (0, extra), value=1.0)
         y = self.conv2(F.pad(y, (self.kernel - 1, 0)))
         return y[..., :num_frames].transpose(1, 2)  # (r, t, d)
 
@@ -120,9 +144,12 @@ class InputEmbedding(nn.Module):
             cfg.dim, cfg.conv_pos_kernel, cfg.conv_pos_groups
         )
 
-    def forward(self, x, cond, mu, spks) -> torch.Tensor:
+    def forward(self, x, cond, mu, spks, keep=None) -> torch.Tensor:
         spks = spks[:, None, :].expand(-1, x.shape[1], -1)  # (r, t, c)
         h = self.proj(torch.cat((x, cond, mu, spks), dim=-1))  # (r, t, d)
+        if keep is not None:  # (r, t, 1): 0 on frames before position 0 (the conv's zero pad)
+            h = h * keep
+            return h + self.conv_pos_embed(h, keep)
         # h first: the sum takes its first operand's memory layout, and the conv's output is
         # channel-first. With it first, the whole residual stream was channel-first: every
         # layer_norm copied its input and every AdaLN/residual kernel ran strided (bf16, B=64:
@@ -156,9 +183,12 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def tables(self, num_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(num_frames, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = pos[:, None] * self.inv_freq.float()[None, :]  # (t, e/2)
-        freqs = freqs.repeat_interleave(2, dim=-1)  # (t, e)
+        return self.tables_at(torch.arange(num_frames, device=self.inv_freq.device))
+
+    def tables_at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (..., e) for absolute positions `pos` (any shape, e.g. (r, q) per row)."""
+        freqs = pos.float()[..., None] * self.inv_freq.float()  # (..., e/2)
+        freqs = freqs.repeat_interleave(2, dim=-1)  # (..., e)
         return freqs.cos(), freqs.sin()
 
 
@@ -184,14 +214,17 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # key `to_out.0` (1 was dropout)
 
-    def forward(self, h, rope, attn_bias, frame_mask) -> torch.Tensor:
+    def forward(self, h, rope, attn_bias, frame_mask, kv=None) -> torch.Tensor:
         r, t, _ = h.shape
         q, k, v = self.to_q(h), self.to_k(h), self.to_v(h)  # (r, t, h*e) each
         apply_rotary_(q, *rope)
         apply_rotary_(k, *rope)
+        if kv is not None:  # prefix cache: keys/values of the cached prefix, then these
+            k, v = kv(k, v)  # (r, t_keys, h*e) each, at absolute positions 0..t_keys-1
+        t_keys = k.shape[1]
         q = q.view(r, t, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t, e)
-        k = k.view(r, t, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t, e)
-        v = v.view(r, t, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t, e)
+        k = k.view(r, t_keys, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t_keys, e)
+        v = v.view(r, t_keys, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t_keys, e)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias)  # (r, h, t, e)
         o = o.transpose(1, 2).reshape(r, t, self.heads * self.dim_head)  # (r, t, h*e)
         o = self.to_out[0](o)
@@ -207,8 +240,10 @@ class AdaLayerNormZero(nn.Module):
         super().__init__()
         self.linear = nn.Linear(dim, num_chunks * dim)
 
-    def forward(self, temb_act: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        mod = self.linear(temb_act)[:, None, :]  # (r, 1, n*d)
+    def forward(self, temb_act: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Modulations in `dtype` (the residual stream's); the projection itself runs in the
+        linear's own dtype (fp32 in a bf16 model, see DiT.fp32_modules)."""
+        mod = self.linear(temb_act.to(self.linear.weight.dtype))[:, None, :].to(dtype)
         return mod.chunk(self.linear.out_features // self.linear.in_features, dim=-1)
 
 
@@ -234,11 +269,11 @@ class DiTBlock(nn.Module):
         self.attn = Attention(cfg.dim, cfg.heads, cfg.dim_head)
         self.ff = FeedForward(cfg.dim, cfg.dim * cfg.ff_mult)
 
-    def forward(self, x, temb_act, rope, attn_bias, frame_mask) -> torch.Tensor:
-        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = self.attn_norm(temb_act)
+    def forward(self, x, temb_act, rope, attn_bias, frame_mask, kv=None) -> torch.Tensor:
+        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = self.attn_norm(temb_act, x.dtype)
         d = x.shape[-1]
         h = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_a, scale_a)
-        x = torch.addcmul(x, gate_a, self.attn(h, rope, attn_bias, frame_mask))
+        x = torch.addcmul(x, gate_a, self.attn(h, rope, attn_bias, frame_mask, kv))
         h = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_f, scale_f)
         return torch.addcmul(x, gate_f, self.ff(h))
 
@@ -252,8 +287,10 @@ class FinalNorm(nn.Module):
         self.linear = nn.Linear(dim, 2 * dim)
 
     def forward(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
-        scale, shift = self.linear(temb_act)[:, None, :].chunk(2, dim=-1)  # (r, 1, d) each
-        return modulate(F.layer_norm(x, (x.shape[-1],), eps=self.eps), shift, scale)
+        """In the linear's dtype: fp32 in a bf16 model (x is upcast once, (r, t, d))."""
+        dtype = self.linear.weight.dtype
+        scale, shift = self.linear(temb_act.to(dtype))[:, None, :].chunk(2, dim=-1)  # (r, 1, d)
+        return modulate(F.layer_norm(x.to(dtype), (x.shape[-1],), eps=self.eps), shift, scale)
 
 
 class DiT(nn.Module):
@@ -269,6 +306,20 @@ class DiT(nn.Module):
         self.norm_out = FinalNorm(cfg.dim, cfg.norm_eps)
         self.proj_out = nn.Linear(cfg.dim, cfg.mel_dim)
 
+    def fp32_modules(self) -> list[nn.Module]:
+        """The numerically sensitive parts that `load_flow` keeps in fp32 in a bf16 model: the
+        time MLP, every AdaLN projection, the final norm's projection and the output
+        projection. They act once per row (r x d) or produce only c = 80 channels: by count
+        under 0.5 % of the multiply-adds at t = 200 frames, but 42 % of the full DiT's weights
+        (22 AdaLN projections of 6 d x d), so ~0.28 GB more memory, read once per step. The
+        residual stream, attention and FFN stay in the compute dtype."""
+        return [
+            self.time_embed,
+            *(block.attn_norm for block in self.transformer_blocks),
+            self.norm_out,
+            self.proj_out,
+        ]
+
     def forward(
         self,
         x: torch.Tensor,  # (r, t, c) noisy mel, compute dtype
@@ -278,10 +329,19 @@ class DiT(nn.Module):
         t: torch.Tensor,  # (r,) fp32 flow time per row
         attn_bias: torch.Tensor,  # (r, 1, t, t) additive, from `attention_bias`
         frame_mask: torch.Tensor | None = None,  # (r, t, 1) 1 valid / 0 padded, compute dtype
+        prefix=None,  # a prefix_cache.DiTPrefix: queries only for the frames after the context
     ) -> torch.Tensor:
         temb_act = F.silu(self.time_embed(t))  # (r, d); every AdaLN applies SiLU first
-        h = self.input_embed(x, cond, mu, spks)  # (r, t, d)
-        rope = self.rotary_embed.tables(x.shape[1])
-        for block in self.transformer_blocks:
-            h = block(h, temb_act, rope, attn_bias, frame_mask)
-        return self.proj_out(self.norm_out(h, temb_act))  # (r, t, c)
+        if prefix is None:
+            h = self.input_embed(x, cond, mu, spks)  # (r, t, d)
+            rope = self.rotary_embed.tables(x.shape[1])
+        else:
+            # x, mu, cond hold `prefix.context` frames before the queries: the conv position
+            # embedding's left receptive field. Only the queries go through the blocks.
+            h = self.input_embed(x, cond, mu, spks, prefix.keep)[:, prefix.context :].contiguous()
+            rope = prefix.rope
+        for i, block in enumerate(self.transformer_blocks):
+            kv = None if prefix is None else prefix.layer(i)
+            h = block(h, temb_act, rope, attn_bias, frame_mask, kv)
+        out = self.norm_out(h, temb_act)  # (r, q, d), fp32 in a bf16 model with fp32 parts
+        return self.proj_out(out.to(self.proj_out.weight.dtype))  # (r, q, c)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,7 @@ from torch import nn
 
 from flow_service.model.config import MEL_BINS, NOISE_SEED, FlowConfig
 from flow_service.model.dit import DiT, attention_bias
+from flow_service.model.prefix_cache import PrefixCache, solve_with_prefix
 from flow_service.model.requests import ChunkRequest, InvalidInput, validate_chunk
 
 # (x, mu, cond, spks, t, attn_bias, frame_mask) -> velocity; the DiT itself or a graphed replay
@@ -231,6 +232,15 @@ class FlowModel(nn.Module):
             out_spans=spans,
         )
 
+    def conditioning(self, batch: FlowBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mu (b, t, c), spks (b, c)) in the compute dtype: token features and speaker vector."""
+        unit = F.normalize(batch.embeddings, dim=1).to(self.dtype)  # (b, s)
+        spks = self.spk_embed_affine_layer(unit)  # (b, c)
+        emb = self.input_embedding(batch.token_ids) * batch.token_mask  # (b, n, c)
+        h = self.pre_lookahead_layer(emb)  # (b, n, c)
+        mu = h.repeat_interleave(self.cfg.token_mel_ratio, dim=1)[:, : batch.num_frames]
+        return mu, spks
+
     def solve_batch(
         self,
         batch: FlowBatch,
@@ -240,11 +250,7 @@ class FlowModel(nn.Module):
     ) -> torch.Tensor:
         """Mel for every padded frame of every row: (b, t, c) fp32 on the model's device."""
         t = batch.num_frames
-        unit = F.normalize(batch.embeddings, dim=1).to(self.dtype)  # (b, s)
-        spks = self.spk_embed_affine_layer(unit)  # (b, c)
-        emb = self.input_embedding(batch.token_ids) * batch.token_mask  # (b, n, c)
-        h = self.pre_lookahead_layer(emb)  # (b, n, c)
-        mu = h.repeat_interleave(self.cfg.token_mel_ratio, dim=1)[:, :t]  # (b, t, c)
+        mu, spks = self.conditioning(batch)
 
         noise = noise_buffer(mu.device, self.cfg.max_frames)[:t]  # (t, c)
         noise = noise.expand(batch.num_rows, -1, -1)  # (b, t, c)
@@ -291,15 +297,35 @@ class FlowModel(nn.Module):
         to_cpu: bool = True,
         mask_padding: bool = True,
         between_steps: Callable[[], None] | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> list[torch.Tensor]:
         """New mel (80, frames) fp32 per request, in request order, from ONE solver pass.
 
         Outputs are on the CPU (default) or, with `to_cpu=False`, on the model's device.
         `estimator` may replace the DiT call (e.g. a `GraphedEstimator`). `mask_padding=False`
         is a fault injection for tests only. `between_steps` runs between solver steps (it may
-        itself call `generate`, on the same thread). Call from one thread at a time."""
+        itself call `generate`, on the same thread). With `prefix_cache`, streaming rows take
+        the keys/values of their stream's complete earlier blocks from it and compute only
+        their new frames (the same mel within rounding); the DiT then runs eagerly (no
+        `estimator`). Call from one thread at a time."""
         if not chunks:
             return []
         batch = self.prepare(chunks, frame_multiple)
-        mel = self.solve_batch(batch, estimator, mask_padding, between_steps)
-        return self.scatter(batch, mel, to_cpu)
+        plan = prefix_cache.plan(chunks) if prefix_cache is not None else None
+        if plan is None or not plan.active:
+            mel = self.solve_batch(batch, estimator, mask_padding, between_steps)
+            if plan is not None:
+                prefix_cache.commit(plan, [None] * len(chunks))  # drops finished streams
+            return self.scatter(batch, mel, to_cpu)
+        try:
+            mel, new_x = solve_with_prefix(self, batch, plan, mask_padding, between_steps)
+        except BaseException:
+            prefix_cache.release(plan)
+            raise
+        prefix_cache.commit(plan, new_x)
+        # mel row i starts at its first uncached frame
+        spans = [
+            (start - row.prefix, stop - row.prefix)
+            for (start, stop), row in zip(batch.out_spans, plan.rows, strict=True)
+        ]
+        return self.scatter(replace(batch, out_spans=spans), mel, to_cpu)

@@ -74,6 +74,9 @@ class ChunkRequest:
     token_offset: int = 0  # target tokens already emitted by earlier chunks
     finalize: bool = True  # last call: emit every token, right-pad the lookahead with zeros
     streaming: bool = False  # 50-frame block-causal attention (True) or full attention (False)
+    # The stream's identity for the prefix cache ("" = none). Never changes the result: a cached
+    # prefix is used only when it was computed from the same voice and token ids.
+    cache_key: str = ""
 
     @property
     def num_emit_tokens(self) -> int:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from token2wav.v1 import common_pb2 as token2wav_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17token2wav/v1/flow.proto\x12\x0ctoken2wav.v1\x1a\x19token2wav/v1/common.proto\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12+\n\x0cinline_voice\x18\x03 \x01(\x0b\x32\x13.token2wav.v1.VoiceH\x00\x12\x12\n\x08voice_id\x18\x04 \x01(\tH\x00\x12$\n\x06tokens\x18\x05 \x01(\x0b\x32\x14.token2wav.v1.Tensor\x12\x14\n\x0ctoken_offset\x18\x06 \x01(\r\x12\x10\n\x08\x66inalize\x18\x07 \x01(\x08\x12\x11\n\tstreaming\x18\x08 \x01(\x08\x42\x07\n\x05voice\"\x89\x01\n\x10GenerateResponse\x12!\n\x03mel\x18\x01 \x01(\x0b\x32\x14.token2wav.v1.Tensor\x12\x10\n\x08voice_id\x18\x02 \x01(\t\x12)\n\x06timing\x18\x03 \x01(\x0b\x32\x19.token2wav.v1.StageTiming\x12\x15\n\rpadded_frames\x18\x04 \x01(\r2Q\n\x04\x46low\x12I\n\x08Generate\x12\x1d.token2wav.v1.GenerateRequest\x1a\x1e.token2wav.v1.GenerateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17token2wav/v1/flow.proto\x12\x0ctoken2wav.v1\x1a\x19token2wav/v1/common.proto\"\x81\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12+\n\x0cinline_voice\x18\x03 \x01(\x0b\x32\x13.token2wav.v1.VoiceH\x00\x12\x12\n\x08voice_id\x18\x04 \x01(\tH\x00\x12$\n\x06tokens\x18\x05 \x01(\x0b\x32\x14.token2wav.v1.Tensor\x12\x14\n\x0ctoken_offset\x18\x06 \x01(\r\x12\x10\n\x08\x66inalize\x18\x07 \x01(\x08\x12\x11\n\tstreaming\x18\x08 \x01(\x08\x12\x15\n\x08slack_ms\x18\t \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05voiceB\x0b\n\t_slack_ms\"\xa8\x01\n\x10GenerateResponse\x12!\n\x03mel\x18\x01 \x01(\x0b\x32\x14.token2wav.v1.Tensor\x12\x10\n\x08voice_id\x18\x02 \x01(\t\x12)\n\x06timing\x18\x03 \x01(\x0b\x32\x19.token2wav.v1.StageTiming\x12\x15\n\rpadded_frames\x18\x04 \x01(\r\x12\x1d\n\x15\x63\x61pacity_frames_per_s\x18\x05 \x01(\x02\x32Q\n\x04\x46low\x12I\n\x08Generate\x12\x1d.token2wav.v1.GenerateRequest\x1a\x1e.token2wav.v1.GenerateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'token2wav.v1.flow_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=69
-  _globals['_GENERATEREQUEST']._serialized_end=290
-  _globals['_GENERATERESPONSE']._serialized_start=293
-  _globals['_GENERATERESPONSE']._serialized_end=430
-  _globals['_FLOW']._serialized_start=432
-  _globals['_FLOW']._serialized_end=513
+  _globals['_GENERATEREQUEST']._serialized_end=326
+  _globals['_GENERATERESPONSE']._serialized_start=329
+  _globals['_GENERATERESPONSE']._serialized_end=497
+  _globals['_FLOW']._serialized_start=499
+  _globals['_FLOW']._serialized_end=580
 # @@protoc_insertion_point(module_scope)

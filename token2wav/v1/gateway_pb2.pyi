@@ -104,18 +104,34 @@ class SynthesizeResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., sample_offset: _Optional[int] = ..., sample_rate: _Optional[int] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., audio: _Optional[bytes] = ..., num_samples: _Optional[int] = ..., is_final: _Optional[bool] = ..., timing: _Optional[_Union[ChunkTiming, _Mapping]] = ...) -> None: ...
 
 class RegisterVoiceRequest(_message.Message):
-    __slots__ = ("voice",)
+    __slots__ = ("voice", "audio_file", "audio_pcm")
     VOICE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FILE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_PCM_FIELD_NUMBER: _ClassVar[int]
     voice: _common_pb2.Voice
-    def __init__(self, voice: _Optional[_Union[_common_pb2.Voice, _Mapping]] = ...) -> None: ...
+    audio_file: bytes
+    audio_pcm: PcmAudio
+    def __init__(self, voice: _Optional[_Union[_common_pb2.Voice, _Mapping]] = ..., audio_file: _Optional[bytes] = ..., audio_pcm: _Optional[_Union[PcmAudio, _Mapping]] = ...) -> None: ...
+
+class PcmAudio(_message.Message):
+    __slots__ = ("samples", "sample_rate")
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    samples: _common_pb2.Tensor
+    sample_rate: int
+    def __init__(self, samples: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., sample_rate: _Optional[int] = ...) -> None: ...
 
 class RegisterVoiceResponse(_message.Message):
-    __slots__ = ("voice_id", "created")
+    __slots__ = ("voice_id", "created", "prompt_token", "voice")
     VOICE_ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VOICE_FIELD_NUMBER: _ClassVar[int]
     voice_id: str
     created: bool
-    def __init__(self, voice_id: _Optional[str] = ..., created: _Optional[bool] = ...) -> None: ...
+    prompt_token: _common_pb2.Tensor
+    voice: _common_pb2.Voice
+    def __init__(self, voice_id: _Optional[str] = ..., created: _Optional[bool] = ..., prompt_token: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., voice: _Optional[_Union[_common_pb2.Voice, _Mapping]] = ...) -> None: ...
 
 class DeleteVoiceRequest(_message.Message):
     __slots__ = ("voice_id",)

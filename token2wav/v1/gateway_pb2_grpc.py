@@ -66,6 +66,11 @@ class GatewayServicer:
 
     def RegisterVoice(self, request, context):
         """Store a voice and get its content-addressed id (the same voice always gets the same id).
+        The voice comes as its three arrays, or is made from a prompt recording the way upstream's
+        front end makes it (needs the gateway's --frontend-dir, else FAILED_PRECONDITION).
+        INVALID_ARGUMENT names the bad field or the problem with the audio (sample rate under
+        16 kHz, over 30 s, silent, corrupt, not WAV/FLAC/OGG); RESOURCE_EXHAUSTED when too many
+        recordings are being processed already.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -25,29 +25,29 @@ _sym_db = _symbol_database.Default()
 from token2wav.v1 import common_pb2 as token2wav_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atoken2wav/v1/vocoder.proto\x12\x0ctoken2wav.v1\x1a\x19token2wav/v1/common.proto\"d\n\x0cVocoderChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12!\n\x03mel\x18\x03 \x01(\x0b\x32\x14.token2wav.v1.Tensor\x12\x10\n\x08\x66inalize\x18\x04 \x01(\x08\"\xa8\x01\n\x0cVocoderAudio\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x15\n\rsample_offset\x18\x03 \x01(\x04\x12#\n\x05\x61udio\x18\x04 \x01(\x0b\x32\x14.token2wav.v1.Tensor\x12\x10\n\x08is_final\x18\x05 \x01(\x08\x12)\n\x06timing\x18\x06 \x01(\x0b\x32\x19.token2wav.v1.StageTiming\"*\n\x14\x43\x61ncelSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"*\n\x15\x43\x61ncelSessionResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\":\n\x14\x45xportSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06remove\x18\x02 \x01(\x08\"O\n\x15\x45xportSessionResponse\x12\r\n\x05state\x18\x01 \x01(\x0c\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\x12\x15\n\rsample_offset\x18\x03 \x01(\x04\"K\n\x14ImportSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\x0c\x12\x10\n\x08next_seq\x18\x03 \x01(\x04\"\x17\n\x15ImportSessionResponse2\xde\x02\n\x07Vocoder\x12\x45\n\x07Session\x12\x1a.token2wav.v1.VocoderChunk\x1a\x1a.token2wav.v1.VocoderAudio(\x01\x30\x01\x12X\n\rCancelSession\x12\".token2wav.v1.CancelSessionRequest\x1a#.token2wav.v1.CancelSessionResponse\x12X\n\rExportSession\x12\".token2wav.v1.ExportSessionRequest\x1a#.token2wav.v1.ExportSessionResponse\x12X\n\rImportSession\x12\".token2wav.v1.ImportSessionRequest\x1a#.token2wav.v1.ImportSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atoken2wav/v1/vocoder.proto\x12\x0ctoken2wav.v1\x1a\x19token2wav/v1/common.proto\"\x88\x01\n\x0cVocoderChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12!\n\x03mel\x18\x03 \x01(\x0b\x32\x14.token2wav.v1.Tensor\x12\x10\n\x08\x66inalize\x18\x04 \x01(\x08\x12\x15\n\x08slack_ms\x18\x05 \x01(\x05H\x00\x88\x01\x01\x42\x0b\n\t_slack_ms\"\xa8\x01\n\x0cVocoderAudio\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x15\n\rsample_offset\x18\x03 \x01(\x04\x12#\n\x05\x61udio\x18\x04 \x01(\x0b\x32\x14.token2wav.v1.Tensor\x12\x10\n\x08is_final\x18\x05 \x01(\x08\x12)\n\x06timing\x18\x06 \x01(\x0b\x32\x19.token2wav.v1.StageTiming\"*\n\x14\x43\x61ncelSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"*\n\x15\x43\x61ncelSessionResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\":\n\x14\x45xportSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06remove\x18\x02 \x01(\x08\"O\n\x15\x45xportSessionResponse\x12\r\n\x05state\x18\x01 \x01(\x0c\x12\x10\n\x08next_seq\x18\x02 \x01(\x04\x12\x15\n\rsample_offset\x18\x03 \x01(\x04\"K\n\x14ImportSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\x0c\x12\x10\n\x08next_seq\x18\x03 \x01(\x04\"\x17\n\x15ImportSessionResponse2\xde\x02\n\x07Vocoder\x12\x45\n\x07Session\x12\x1a.token2wav.v1.VocoderChunk\x1a\x1a.token2wav.v1.VocoderAudio(\x01\x30\x01\x12X\n\rCancelSession\x12\".token2wav.v1.CancelSessionRequest\x1a#.token2wav.v1.CancelSessionResponse\x12X\n\rExportSession\x12\".token2wav.v1.ExportSessionRequest\x1a#.token2wav.v1.ExportSessionResponse\x12X\n\rImportSession\x12\".token2wav.v1.ImportSessionRequest\x1a#.token2wav.v1.ImportSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'token2wav.v1.vocoder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VOCODERCHUNK']._serialized_start=71
-  _globals['_VOCODERCHUNK']._serialized_end=171
-  _globals['_VOCODERAUDIO']._serialized_start=174
-  _globals['_VOCODERAUDIO']._serialized_end=342
-  _globals['_CANCELSESSIONREQUEST']._serialized_start=344
-  _globals['_CANCELSESSIONREQUEST']._serialized_end=386
-  _globals['_CANCELSESSIONRESPONSE']._serialized_start=388
-  _globals['_CANCELSESSIONRESPONSE']._serialized_end=430
-  _globals['_EXPORTSESSIONREQUEST']._serialized_start=432
-  _globals['_EXPORTSESSIONREQUEST']._serialized_end=490
-  _globals['_EXPORTSESSIONRESPONSE']._serialized_start=492
-  _globals['_EXPORTSESSIONRESPONSE']._serialized_end=571
-  _globals['_IMPORTSESSIONREQUEST']._serialized_start=573
-  _globals['_IMPORTSESSIONREQUEST']._serialized_end=648
-  _globals['_IMPORTSESSIONRESPONSE']._serialized_start=650
-  _globals['_IMPORTSESSIONRESPONSE']._serialized_end=673
-  _globals['_VOCODER']._serialized_start=676
-  _globals['_VOCODER']._serialized_end=1026
+  _globals['_VOCODERCHUNK']._serialized_start=72
+  _globals['_VOCODERCHUNK']._serialized_end=208
+  _globals['_VOCODERAUDIO']._serialized_start=211
+  _globals['_VOCODERAUDIO']._serialized_end=379
+  _globals['_CANCELSESSIONREQUEST']._serialized_start=381
+  _globals['_CANCELSESSIONREQUEST']._serialized_end=423
+  _globals['_CANCELSESSIONRESPONSE']._serialized_start=425
+  _globals['_CANCELSESSIONRESPONSE']._serialized_end=467
+  _globals['_EXPORTSESSIONREQUEST']._serialized_start=469
+  _globals['_EXPORTSESSIONREQUEST']._serialized_end=527
+  _globals['_EXPORTSESSIONRESPONSE']._serialized_start=529
+  _globals['_EXPORTSESSIONRESPONSE']._serialized_end=608
+  _globals['_IMPORTSESSIONREQUEST']._serialized_start=610
+  _globals['_IMPORTSESSIONREQUEST']._serialized_end=685
+  _globals['_IMPORTSESSIONRESPONSE']._serialized_start=687
+  _globals['_IMPORTSESSIONRESPONSE']._serialized_end=710
+  _globals['_VOCODER']._serialized_start=713
+  _globals['_VOCODER']._serialized_end=1063
 # @@protoc_insertion_point(module_scope)

@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VocoderChunk(_message.Message):
-    __slots__ = ("request_id", "seq", "mel", "finalize")
+    __slots__ = ("request_id", "seq", "mel", "finalize", "slack_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     MEL_FIELD_NUMBER: _ClassVar[int]
     FINALIZE_FIELD_NUMBER: _ClassVar[int]
+    SLACK_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     mel: _common_pb2.Tensor
     finalize: bool
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., mel: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., finalize: _Optional[bool] = ...) -> None: ...
+    slack_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., mel: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., finalize: _Optional[bool] = ..., slack_ms: _Optional[int] = ...) -> None: ...
 
 class VocoderAudio(_message.Message):
     __slots__ = ("request_id", "seq", "sample_offset", "audio", "is_final", "timing")

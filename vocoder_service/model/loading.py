@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from token2wav.checkpoint import load_tensors
 from vocoder_service.model.config import HIFT_PRESETS, HOP_SAMPLES, HiFTConfig
 from vocoder_service.model.errors import CheckpointError
 from vocoder_service.model.generator import HiFTGenerator
@@ -78,10 +79,7 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
         file = file / "hift.pt"
     if not file.is_file():
         raise CheckpointError(f"{file}: no such file")
-    try:
-        obj = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"{file}: not a loadable torch checkpoint ({exc})") from None
+    obj = load_tensors(file, CheckpointError)
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
         obj = obj["state_dict"]
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):

@@ -1,0 +1,537 @@
+"""Prefix cache: per-step, per-layer keys/values of the complete attention blocks of a stream.
+
+Why it is exact (docs/DESIGN.md, "Prefix cache"): under the 50-frame block-causal mask, every
+DiT activation of a frame in block j, at every solver step and in both CFG rows, is a function
+of the inputs of blocks <= j only (attention reads keys < the block's end, the conv position
+embedding looks 60 frames left, RoPE uses absolute positions, the noise row and t are fixed by
+position and step). Those inputs are identical in every later call of the stream as long as the
+frame's mu never read a lookahead pad, which holds for all frames a non-final call emits. So a
+later call may take the keys/values of such blocks from an earlier call and compute queries only
+for its new frames. The cache is an optimisation, never a source of truth: an entry is keyed by
+stream, voice and solver schedule AND verified against the token ids its frames depend on, so a
+mismatch is a miss, and a miss recomputes the same mel.
+
+Storage: a pool of fixed-size blocks (one 50-frame attention block: steps x layers x {K, V} x
+{cond, uncond} x 50 x d in the compute dtype), in lazily allocated slab tensors (SLAB_BYTES
+each) within the byte budget, with per-block reference counts. Entries (LRU) list their blocks; a
+voice entry holds the blocks made only of prompt frames and shares them with the streams of
+that voice. Per entry it also keeps the Euler state x of every cached frame at every step
+(c channels, ~0.1 % of the K/V bytes): the conv position embedding of the first new frame
+reads the 60 frames before it.
+
+Shapes (docs/DESIGN.md "Shape letters"): b calls, r = 2b solver rows, t frames, c mel channels,
+d DiT width; q = a row's frames after its cached prefix (its queries), padded to the longest.
+
+Thread safety: `plan` / `commit` / `release` run on the runner thread, `drop` on the event
+loop; one lock guards the bookkeeping. A solve pins the blocks it reads (refcount), so an
+eviction or a drop during the solve never frees memory under it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from flow_service.model.dit import ragged_attention_bias
+from flow_service.model.requests import ChunkRequest
+
+# Pool tensors of about this size, each (steps, layers, {K,V}, blocks, {cond,uncond}, block, d),
+# allocated when first needed (uninitialised: a block is fully written before it is read). Each
+# slab a batch touches costs 4 small kernels per layer and step, so slabs are large (a 55 GB
+# budget is 7 of them) and free blocks are handed out lowest id first.
+SLAB_BYTES = 8 << 30
+
+
+def voice_fingerprint(req: ChunkRequest) -> bytes:
+    """Content hash of everything the voice contributes (prompt ids, prompt mel, x-vector)."""
+    v = req.voice
+    h = hashlib.blake2b(digest_size=16)
+    for t in (v.prompt_token.to(torch.int64), v.prompt_feat.float(), v.embedding.float()):
+        t = t.detach().cpu().contiguous()
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.numpy().tobytes())
+    return h.digest()
+
+
+def all_token_ids(req: ChunkRequest) -> torch.Tensor:
+    return torch.cat((req.voice.prompt_token.to(torch.int64), req.tokens.to(torch.int64)))
+
+
+@dataclass
+class _Entry:
+    blocks: list[int]  # pool block ids, block b = frames [b*B, (b+1)*B)
+    ids: torch.Tensor  # prompt + target token ids the cached frames depend on (CPU int64)
+    xs: torch.Tensor  # (steps, frames, c) compute dtype: solver input x of each cached frame
+    stream: bool  # False: a voice entry (prompt-only blocks)
+    used_at: float = 0.0  # clock() of the last lookup or store
+
+
+@dataclass
+class RowPlan:
+    """What one request row does with the cache in one solve."""
+
+    prefix: int = 0  # frames taken from the cache (a multiple of the block)
+    read: list[int] = field(default_factory=list)  # pinned block ids of the prefix
+    xs: torch.Tensor | None = None  # (steps, prefix, c) x of the cached frames
+    new: list[int] = field(default_factory=list)  # allocated blocks to fill after `prefix`
+    key: tuple | None = None  # stream entry to write (None: no store)
+    voice_key: tuple | None = None  # voice entry to write when the row fills prompt blocks
+    voice_blocks: int = 0
+    ids: torch.Tensor | None = None
+    drop: tuple | None = None  # stream entry to drop after the solve (final call)
+
+
+@dataclass
+class PrefixPlan:
+    cache: PrefixCache
+    rows: list[RowPlan]
+
+    @property
+    def active(self) -> bool:
+        """Whether the prefix path runs: some row reads or writes cached blocks."""
+        return any(r.prefix or r.new for r in self.rows)
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        budget_bytes: int,
+        *,
+        num_steps: int,
+        depth: int,
+        dim: int,
+        mel_dim: int,
+        block_frames: int,
+        token_mel_ratio: int,
+        lookahead: int,
+        schedule_id: tuple,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        share_voice_blocks: bool = True,
+        evict_idle_s: float = 0.0,
+        observe: Callable[[str, float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes: {budget_bytes} < 0")
+        self.num_steps, self.depth, self.dim, self.mel_dim = num_steps, depth, dim, mel_dim
+        self.block = block_frames
+        self.ratio = token_mel_ratio
+        self.lookahead = lookahead
+        self.schedule_id = schedule_id
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.share_voice_blocks = share_voice_blocks
+        # Only entries unused for this long are evicted to make room; otherwise a new block is
+        # not stored. With many long streams in flight, plain LRU would evict exactly the
+        # streams whose next call comes soonest (cyclic access) and nothing would ever hit.
+        self.evict_idle_s = evict_idle_s
+        self.clock = clock
+        self._observe = observe or (lambda name, value: None)
+        item = torch.empty((), dtype=dtype).element_size()
+        self.block_bytes = num_steps * depth * 2 * 2 * block_frames * dim * item
+        self.frame_x_bytes = num_steps * mel_dim * item
+        self.capacity = budget_bytes // self.block_bytes  # blocks
+        self.slab_blocks = max(1, min(self.capacity, SLAB_BYTES // self.block_bytes))
+        self._slabs: list[torch.Tensor | None] = [None] * -(-self.capacity // self.slab_blocks)
+        self._free = list(range(self.capacity))  # min-heap: fill low slabs first
+        self._refs = [0] * self.capacity
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = dict.fromkeys(
+            ("hits", "voice_hits", "misses", "evictions", "reused_frames", "computed_frames"), 0
+        )
+
+    @classmethod
+    def for_model(cls, model, budget_bytes: int, **kwargs) -> PrefixCache:
+        cfg = model.cfg
+        dec = model.decoder
+        return cls(
+            budget_bytes,
+            num_steps=len(dec.steps),
+            depth=cfg.dit.depth,
+            dim=cfg.dit.dim,
+            mel_dim=cfg.mel_dim,
+            block_frames=cfg.dit.block_frames,
+            token_mel_ratio=cfg.token_mel_ratio,
+            lookahead=cfg.pre_lookahead_len,
+            schedule_id=(tuple(dec.steps), dec.cfg_rate, cfg.dit.block_frames, str(model.dtype)),
+            dtype=model.dtype,
+            device=model.device,
+            **kwargs,
+        )
+
+    # -- accounting ----------------------------------------------------------------------------
+    @property
+    def used_blocks(self) -> int:
+        return self.capacity - len(self._free)
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._entries)
+
+    @property
+    def bytes_used(self) -> int:
+        x_frames = sum(e.xs.shape[1] for e in self._entries.values())
+        return self.used_blocks * self.block_bytes + x_frames * self.frame_x_bytes
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.stats[name] += n
+        self._observe(name, n)
+
+    def _gauges(self) -> None:
+        self._observe("bytes", self.bytes_used)
+        self._observe("entries", len(self._entries))
+
+    # -- blocks --------------------------------------------------------------------------------
+    def slab(self, index: int) -> torch.Tensor:
+        s = self._slabs[index]
+        if s is None:
+            n = min(self.slab_blocks, self.capacity - index * self.slab_blocks)
+            shape = (self.num_steps, self.depth, 2, n, 2, self.block, self.dim)
+            s = self._slabs[index] = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return s
+
+    def locate(self, block_id: int) -> tuple[int, int]:
+        return divmod(block_id, self.slab_blocks)
+
+    def _incref(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            self._refs[b] += 1
+
+    def _decref(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                heapq.heappush(self._free, b)
+
+    def _allocate(self, n: int, keep: set) -> list[int]:
+        """Up to n free blocks, evicting least recently used entries idle for at least
+        `evict_idle_s` (not those in `keep`)."""
+        now = self.clock()
+        for key in list(self._entries):
+            if len(self._free) >= n or now - self._entries[key].used_at < self.evict_idle_s:
+                break  # LRU order: every later entry was used more recently
+            if key in keep:
+                continue
+            self._decref(self._entries.pop(key).blocks)
+            self._count("evictions")
+        got = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
+        self._incref(got)
+        return got
+
+    # -- planning ------------------------------------------------------------------------------
+    def _stream_key(self, req: ChunkRequest, fp: bytes) -> tuple | None:
+        key = getattr(req, "cache_key", None)
+        return ("stream", key, fp, self.schedule_id) if key else None
+
+    def _voice_key(self, fp: bytes) -> tuple:
+        return ("voice", fp, self.schedule_id)
+
+    def _usable(self, entry: _Entry | None, ids: torch.Tensor, limit_blocks: int) -> int:
+        """Blocks of `entry` valid for a request with token ids `ids` (0 on any mismatch)."""
+        if entry is None:
+            return 0
+        n = min(len(entry.blocks), limit_blocks)
+        while n > 0:
+            need = -(-n * self.block // self.ratio) + self.lookahead
+            if ids.shape[0] >= need and torch.equal(ids[:need], entry.ids[:need]):
+                return n
+            n -= 1  # a shorter prefix may still agree (e.g. a voice's prompt blocks)
+        return 0
+
+    def plan(self, requests: Sequence[ChunkRequest]) -> PrefixPlan:
+        """Look up and pin each row's cached prefix, allocate blocks for what it will store."""
+        rows = []
+        with self._lock:
+            pinned_keys: set = set()
+            for req in requests:
+                row = RowPlan()
+                rows.append(row)
+                if not req.streaming and not req.cache_key:
+                    continue  # neither reads, writes nor ends a stream entry
+                fp = voice_fingerprint(req)
+                key = self._stream_key(req, fp)
+                if req.finalize:
+                    row.drop = key  # the stream's last call: its entry goes after the solve
+                if not req.streaming:
+                    continue  # full attention: every frame sees the whole sequence
+                ids = all_token_ids(req)
+                vkey = self._voice_key(fp)
+                # Never past the first returned frame (a retried chunk recomputes its frames),
+                # never into the block the sequence ends in.
+                limit = min(req.out_start_frame, req.num_seq_frames) // self.block
+                entry = self._entries.get(key) if key else None
+                use = self._usable(entry, ids, limit)
+                kind = "hits"
+                if use == 0 and self.share_voice_blocks:
+                    entry = self._entries.get(vkey)
+                    use = self._usable(entry, ids, limit)
+                    kind = "voice_hits"
+                if use:
+                    row.prefix = use * self.block
+                    row.read = entry.blocks[:use]
+                    row.xs = entry.xs[:, : row.prefix]
+                    self._incref(row.read)
+                    entry.used_at = self.clock()
+                    self._entries.move_to_end(key if kind == "hits" else vkey)
+                    pinned_keys.add(key if kind == "hits" else vkey)
+                    self._count(kind)
+                elif limit > 0:
+                    self._count("misses")
+                if req.finalize:
+                    continue
+                # Blocks complete in this call whose mu read real tokens only: all of them for
+                # a non-final call (its lookahead tokens produce no frames).
+                end = req.num_seq_frames // self.block
+                n_p = req.voice.num_prompt_tokens
+                voice_blocks = max(0, self.ratio * (n_p - self.lookahead)) // self.block
+                want_voice = (
+                    self.share_voice_blocks
+                    and voice_blocks > 0
+                    and row.prefix < voice_blocks * self.block
+                    and len(getattr(self._entries.get(vkey), "blocks", ())) < voice_blocks
+                )
+                if key is None and not want_voice:
+                    continue
+                if key is None:
+                    end = voice_blocks
+                todo = end - row.prefix // self.block
+                if todo <= 0:
+                    continue
+                row.new = self._allocate(todo, pinned_keys)
+                if not row.new:
+                    continue
+                row.key = key
+                row.ids = ids
+                if want_voice:
+                    row.voice_key = vkey
+                    row.voice_blocks = voice_blocks
+            for row, req in zip(rows, requests, strict=True):
+                self._count("reused_frames", row.prefix)
+                self._count("computed_frames", req.num_seq_frames - row.prefix)
+            self._gauges()
+        return PrefixPlan(self, rows)
+
+    def commit(self, plan: PrefixPlan, xs_new: list[torch.Tensor | None]) -> None:
+        """After a solve: turn each row's filled blocks into entries, drop finished streams,
+        unpin. `xs_new[i]` is (steps, frames >= len(new) x block, c), x of the new frames."""
+        with self._lock:
+            for row, xs in zip(plan.rows, xs_new, strict=True):
+                if row.new and xs is not None:
+                    blocks = row.read + row.new
+                    frames = len(blocks) * self.block
+                    parts = [row.xs] if row.prefix else []
+                    parts.append(xs[:, : frames - row.prefix])
+                    all_xs = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+                    need = -(-frames // self.ratio) + self.lookahead
+                    if row.key is not None:
+                        self._put(row.key, blocks, row.ids[:need].clone(), all_xs, True)
+                    if row.voice_key is not None and len(blocks) >= row.voice_blocks:
+                        nv = row.voice_blocks
+                        need_v = -(-nv * self.block // self.ratio) + self.lookahead
+                        self._put(
+                            row.voice_key,
+                            blocks[:nv],
+                            row.ids[:need_v].clone(),
+                            all_xs[:, : nv * self.block],
+                            False,
+                        )
+                if row.drop is not None and row.drop in self._entries:
+                    self._decref(self._entries.pop(row.drop).blocks)
+            self._unpin(plan)
+            self._gauges()
+
+    def release(self, plan: PrefixPlan) -> None:
+        """A solve that failed: unpin and free its blocks, write nothing."""
+        with self._lock:
+            self._unpin(plan)
+            self._gauges()
+
+    def _unpin(self, plan: PrefixPlan) -> None:
+        for row in plan.rows:
+            self._decref(row.read)
+            self._decref(row.new)
+            row.read, row.new = [], []
+
+    def _put(self, key, blocks, ids, xs, stream: bool) -> None:
+        old = self._entries.get(key)
+        if old is not None and len(old.blocks) >= len(blocks):
+            old.used_at = self.clock()
+            self._entries.move_to_end(key)
+            return  # another call of the stream got at least as far (same values)
+        self._incref(blocks)
+        self._entries[key] = _Entry(list(blocks), ids, xs.contiguous(), stream, self.clock())
+        self._entries.move_to_end(key)
+        if old is not None:
+            self._decref(old.blocks)
+
+    def drop(self, cache_key: str) -> int:
+        """Forget every stream entry of `cache_key` (finalized or cancelled); returns how many."""
+        with self._lock:
+            keys = [k for k in self._entries if k[0] == "stream" and k[1] == cache_key]
+            for k in keys:
+                self._decref(self._entries.pop(k).blocks)
+            self._gauges()
+        return len(keys)
+
+    def clear(self) -> None:
+        with self._lock:
+            for entry in self._entries.values():
+                self._decref(entry.blocks)
+            self._entries.clear()
+            self._gauges()
+
+
+# -- the solve ----------------------------------------------------------------------------------
+class _KVAssembler:
+    """The attention hook of one solve: per (step, layer), the keys/values of every row at
+    absolute positions, (r, t, d): the cached prefix gathered from the pool, then the new frames;
+    and the new frames of stored blocks written into the pool. Index tensors are built once per
+    solve; each layer then costs a few gather/scatter kernels per slab."""
+
+    def __init__(self, cache: PrefixCache, plan: PrefixPlan, prefix, num_queries, num_keys, dev):
+        b = len(plan.rows)
+        blk, d = cache.block, cache.dim
+        q_max = int(num_queries.max())
+        self.cache = cache
+        self.step = 0
+        # Block placements per slab: (local block ids, flat row offset of each (block, CFG row)
+        # pair in the destination), row-major like the gathered (blocks, 2, blk, d) tensor.
+        reads: dict[int, tuple[list[int], list[int]]] = {}
+        stores: dict[int, tuple[list[int], list[int]]] = {}
+        for i, row in enumerate(plan.rows):
+            for j, block_id in enumerate(row.read):
+                s, local = cache.locate(block_id)
+                ids, bases = reads.setdefault(s, ([], []))
+                ids.append(local)
+                bases += [(i + cfg * b) * num_keys + j * blk for cfg in (0, 1)]
+            for j, block_id in enumerate(row.new):
+                s, local = cache.locate(block_id)
+                ids, bases = stores.setdefault(s, ([], []))
+                ids.append(local)
+                first_query = j * blk  # the new blocks start at the row's first query
+                bases += [(i + cfg * b) * q_max + first_query for cfg in (0, 1)]
+        frame = torch.arange(blk)
+
+        def placed(ids: list[int], bases: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = (torch.tensor(bases)[:, None] + frame).flatten()
+            return torch.tensor(ids, device=dev), rows.to(dev)
+
+        self.reads = [(s, *placed(*v)) for s, v in reads.items()]
+        self.stores = [(s, *placed(*v)) for s, v in stores.items()]
+        # The new frames: query q of row r goes to key position prefix_r + q.
+        rows = torch.arange(2 * b)[:, None]
+        q = torch.arange(q_max)[None, :]
+        valid = q < num_queries.repeat(2)[:, None]
+        self.new_src = (rows * q_max + q)[valid].to(dev)
+        self.new_dst = (rows * num_keys + prefix.repeat(2)[:, None] + q)[valid].to(dev)
+        shape = (2 * b, num_keys, d)
+        self.bufs = [torch.zeros(shape, dtype=cache.dtype, device=dev) for _ in range(2)]
+
+    def layer(self, index: int) -> Callable:
+        return lambda k, v: self._assemble(index, k, v)
+
+    def _assemble(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        blk, d = self.cache.block, self.cache.dim
+        for kv, (new, buf) in enumerate(zip((k, v), self.bufs)):
+            flat = buf.view(-1, d)
+            for s, blocks, dst in self.reads:
+                part = self.cache.slab(s)[self.step, layer, kv]  # (blocks, 2, blk, d)
+                flat.index_copy_(0, dst, part.index_select(0, blocks).view(-1, d))
+            new_flat = new.reshape(-1, d)
+            flat.index_copy_(0, self.new_dst, new_flat.index_select(0, self.new_src))
+            for s, blocks, src in self.stores:
+                part = self.cache.slab(s)[self.step, layer, kv]
+                part.index_copy_(0, blocks, new_flat.index_select(0, src).view(-1, 2, blk, d))
+        return self.bufs[0], self.bufs[1]
+
+
+@dataclass
+class DiTPrefix:
+    """What `DiT.forward(prefix=...)` needs: the window's context length, which window frames
+    lie before position 0 (zeroed after the input projection), per-row rotary tables of the
+    query positions, and the per-layer K/V hook."""
+
+    context: int
+    keep: torch.Tensor  # (r, context + q, 1)
+    rope: tuple[torch.Tensor, torch.Tensor]  # (r, q, e) each
+    kv: _KVAssembler
+
+    def layer(self, index: int) -> Callable:
+        return self.kv.layer(index)
+
+
+def solve_with_prefix(model, batch, plan: PrefixPlan, mask_padding=True, between_steps=None):
+    """The Euler/CFG solve of `FlowModel.solve_batch`, computing only each row's frames after
+    its cached prefix. Returns (mel (b, q, c) fp32, row i's frame 0 = absolute frame
+    prefix_i; per row the (steps, q, c) solver inputs x for the blocks it stores, else None)."""
+    from flow_service.model.flow import noise_buffer  # flow.py imports this module
+
+    dec = model.decoder
+    dit = dec.estimator
+    cache_ctx = 2 * (dit.cfg.conv_pos_kernel - 1)  # the conv position embedding's reach
+    b, t = batch.num_rows, batch.num_frames
+    dev, dtype = model.device, model.dtype
+    mu, spks = model.conditioning(batch)  # (b, t, c), (b, c)
+    c = mu.shape[-1]
+    prefix = torch.tensor([row.prefix for row in plan.rows])
+    num_queries = batch.seq_lens.cpu() - prefix
+    q_max = int(num_queries.max())
+    prefix_d = prefix.to(dev)
+    window = prefix_d[:, None] - cache_ctx + torch.arange(cache_ctx + q_max, device=dev)
+    gather = window.clamp(0, t - 1)[..., None].expand(-1, -1, c)
+    mu_w = mu.gather(1, gather)  # (b, 60 + q, c); frames before 0 are zeroed by `keep`
+    cond_w = batch.cond.gather(1, gather)
+    keep = (window >= 0).to(dtype)[..., None].repeat(2, 1, 1)  # (r, 60 + q, 1)
+    query_pos = prefix_d[:, None] + torch.arange(q_max, device=dev)  # (b, q)
+    noise = noise_buffer(dev, model.cfg.max_frames)
+    x = noise[query_pos.clamp(max=noise.shape[0] - 1)]  # (b, q, c) fp32, position-locked
+    # Solver input x of the context frames, per step: from the cache (zeros before frame 0)
+    steps = len(dec.steps)
+    context_x = torch.zeros(steps, b, cache_ctx, c, dtype=dtype, device=dev)
+    for i, row in enumerate(plan.rows):
+        n = min(row.prefix, cache_ctx)
+        if n:
+            context_x[:, i, cache_ctx - n :] = row.xs[:, row.prefix - n : row.prefix]
+    qpos2 = query_pos.repeat(2, 1)
+    bias = ragged_attention_bias(
+        qpos2,
+        batch.seq_lens.repeat(2),
+        batch.streaming.repeat(2),
+        t,
+        dit.cfg.block_frames,
+        dtype,
+        mask_padding,
+    )
+    qn = num_queries.to(dev)
+    frame_mask = (torch.arange(q_max, device=dev)[None] < qn[:, None]).to(dtype)
+    frame_mask = frame_mask.repeat(2, 1)[..., None]  # (r, q, 1)
+    kv = _KVAssembler(plan.cache, plan, prefix, num_queries, t, dev)
+    ctx = DiTPrefix(cache_ctx, keep, dit.rotary_embed.tables_at(qpos2), kv)
+    mu_in = torch.cat((mu_w, torch.zeros_like(mu_w)))
+    cond_in = torch.cat((cond_w, torch.zeros_like(cond_w)))
+    spks_in = torch.cat((spks, torch.zeros_like(spks)))
+    cfg_rate = dec.cfg_rate
+    xs = []
+    for k, (tau, dtau) in enumerate(dec.steps):
+        kv.step = k
+        t_in = torch.full((2 * b,), tau, dtype=torch.float32, device=dev)
+        x_q = x.to(dtype)
+        xs.append(x_q)
+        x_w = torch.cat((context_x[k], x_q), dim=1)  # (b, 60 + q, c)
+        x_in = torch.cat((x_w, x_w))
+        v = dit(x_in, mu_in, cond_in, spks_in, t_in, bias, frame_mask, prefix=ctx).float()
+        x = x + dtau * ((1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:])
+        if between_steps is not None and k + 1 < steps:
+            between_steps()
+    x_steps = torch.stack(xs)  # (steps, b, q, c)
+    new_x = [x_steps[:, i] if row.new else None for i, row in enumerate(plan.rows)]
+    return x, new_x

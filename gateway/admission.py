@@ -1,0 +1,148 @@
+"""Admission control: a new stream is admitted only if the flow replicas can keep every admitted
+stream on time with it.
+
+Load model. Each admitted stream lists its flow work still to do as (deadline, frames) items:
+the chunks in flight or waiting for tokens, and the chunks it will still need (projected with
+the stream's own chunk schedule up to the tokens it has, or `expected_tokens` while its input is
+open). A chunk's work is its DiT sequence length (prompt + prefix frames), the unit in which the
+flow replicas report their learned capacity (GenerateResponse.capacity_frames_per_s; summed over
+replicas heard from recently, times `headroom` for batching losses and the vocoder). Served
+earliest deadline first at that rate, the items' worst lateness is
+
+  max_i (now + (work of items due no later than i) / capacity - due_i)
+
+The new stream is admitted when its items (first chunk due now + the first-chunk target) keep
+that lateness within `tolerance` or at least no worse than without it (streams already late
+are not made later). Otherwise the call is refused with RESOURCE_EXHAUSTED at once, or after at
+most `max_wait` of waiting for streams to finish. While no replica has reported a capacity yet
+(cold start) streams are admitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway import metrics
+from token2wav.errors import ResourceExhausted
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    enabled: bool = False
+    headroom: float = 0.8  # share of the reported capacity the estimate may plan with
+    tolerance_s: float = 0.02  # lateness that still counts as on time
+    expected_tokens: int = 250  # length assumed for a stream whose input is still open
+    max_wait_s: float = 0.0  # how long a refused stream may wait for room; 0: refuse at once
+    capacity_override: float = 0.0  # frames/s; > 0 replaces the replicas' reports
+    report_ttl_s: float = 60.0  # a replica's report counts this long
+
+    def __post_init__(self):
+        if not 0 < self.headroom <= 1:
+            raise ValueError("--admission-headroom: want 0 < h <= 1")
+        if self.expected_tokens < 1:
+            raise ValueError("--admission-expected-tokens: want >= 1")
+        if self.max_wait_s < 0 or self.tolerance_s < 0 or self.capacity_override < 0:
+            raise ValueError("admission: wait, tolerance and capacity want >= 0")
+
+
+class Workload(Protocol):
+    def remaining_work(self, now: float, expected_tokens: int) -> list[tuple[float, int]]:
+        """(deadline, frames) of the stream's flow work still to do, assuming
+        `expected_tokens` in all while its input is open."""
+
+
+class CapacityBoard:
+    """The latest capacity each flow replica reported (frames/s), by address."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._reports: dict[str, tuple[float, float]] = {}  # address -> (frames/s, when)
+
+    def report(self, addr: str, frames_per_s: float) -> None:
+        if frames_per_s > 0:
+            self._reports[addr] = (frames_per_s, self.clock())
+
+    def total(self, ttl_s: float) -> float:
+        now = self.clock()
+        return sum(c for c, t in self._reports.values() if now - t <= ttl_s)
+
+
+def worst_lateness(items: list[tuple[float, int]], capacity: float, now: float) -> float:
+    """EDF at `capacity` frames/s: the largest (finish - deadline) over the items."""
+    worst = -float("inf")
+    done = 0.0
+    for due, frames in sorted(items):
+        done += frames
+        worst = max(worst, now + done / capacity - due)
+    return worst
+
+
+class AdmissionController:
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        board: CapacityBoard,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.config = config
+        self.board = board
+        self.clock = clock
+        self.streams: set[Workload] = set()
+        self._changed = asyncio.Condition()
+
+    def capacity(self) -> float:
+        c = self.config.capacity_override or self.board.total(self.config.report_ttl_s)
+        return c * self.config.headroom
+
+    def check(self, stream: Workload) -> tuple[bool, str]:
+        """(admit?, why not) for one more stream, on the current estimate."""
+        if not self.config.enabled:
+            return True, ""
+        capacity = self.capacity()
+        metrics.FLOW_CAPACITY.set(capacity)
+        if capacity <= 0:
+            return True, ""  # nothing measured yet: fail open
+        now = self.clock()
+        n = self.config.expected_tokens
+        items = [i for s in self.streams for i in s.remaining_work(now, n)]
+        new = stream.remaining_work(now, n)
+        before = worst_lateness(items, capacity, now) if items else -float("inf")
+        after = worst_lateness(items + new, capacity, now)
+        if after <= max(self.config.tolerance_s, before):
+            return True, ""
+        return False, (
+            f"flow capacity: with {len(self.streams)} streams in flight one more would make "
+            f"chunks late by {after * 1e3:.0f} ms (planning with {capacity:.0f} frames/s); "
+            "retry later"
+        )
+
+    async def admit(self, stream: Workload) -> None:
+        """Admit `stream` (it then counts until `release`) or raise RESOURCE_EXHAUSTED."""
+        ok, why = self.check(stream)
+        if not ok and self.config.max_wait_s > 0:
+            give_up = self.clock() + self.config.max_wait_s
+            async with self._changed:
+                while not ok and (left := give_up - self.clock()) > 0:
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), left)
+                    except asyncio.TimeoutError:
+                        pass
+                    ok, why = self.check(stream)
+        if not ok:
+            metrics.ADMISSION_REFUSED.inc()
+            raise ResourceExhausted(why)
+        self.streams.add(stream)
+
+    async def release(self, stream: Workload) -> None:
+        """The stream ended (or made progress): a waiting admission may look again."""
+        self.streams.discard(stream)
+        await self.progress()
+
+    async def progress(self) -> None:
+        if self.config.max_wait_s > 0:
+            async with self._changed:
+                self._changed.notify_all()

@@ -1,0 +1,114 @@
+"""The capacity benchmark's arithmetic (bench/capacity.py): on-time figures from hand-made run
+records, the rate search driven by fake probes, the idle check. No stack, no timing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.capacity import Criteria, back_to_idle, on_time_figures, passes, render, search
+
+
+def stream(status="OK", excess_ms=0.0, closed_ms=None):
+    s = {"status": status}
+    if status == "OK":
+        s["excess_buffer_ms"] = excess_ms
+    if closed_ms is not None:
+        s["closed_ms"] = closed_ms
+    return s
+
+
+def run(streams, rate=2.0, first_p95=100.0):
+    return {
+        "rate": rate,
+        "workload": {"pace": 0.0},
+        "streams": streams,
+        "metrics": {
+            "first_chunk_ms": {"p50": first_p95 / 2, "p95": first_p95},
+            "e2e_ms": {"mean": 4000.0},
+            "underruns": {"excess_buffer_ms": {"p99": 30.0}},
+            "xrt": 19.0,
+            "errors": {},
+        },
+    }
+
+
+def test_on_time_counts_stack_added_buffer_and_refusals():
+    r = run(
+        [stream(), stream(excess_ms=20.0), stream(excess_ms=21.0), stream("DEADLINE_EXCEEDED")]
+        + [stream("RESOURCE_EXHAUSTED", closed_ms=ms) for ms in (3.0, 5.0)]
+    )
+    f = on_time_figures(r, utterance_s=10.0)
+    assert (f["streams"], f["admitted"], f["refused"], f["on_time"]) == (6, 4, 2, 2)
+    assert f["on_time_share"] == pytest.approx(2 / 6)
+    assert f["admitted_on_time_share"] == pytest.approx(2 / 4)
+    assert f["refusal_ms"]["max"] == 5.0
+    assert f["offered_audio_s_per_s"] == 20.0
+    assert f["concurrent_streams"] == pytest.approx(8.0)  # 2/s x 4 s (Little's law)
+
+
+def test_pass_needs_both_on_time_share_and_first_chunk_p95():
+    ok = on_time_figures(run([stream()] * 100), 10.0)
+    assert passes(ok, Criteria())
+    slow = on_time_figures(run([stream()] * 100, first_p95=251.0), 10.0)
+    assert not passes(slow, Criteria())
+    one_late = on_time_figures(run([stream()] * 98 + [stream(excess_ms=50.0)] * 2), 10.0)
+    assert not passes(one_late, Criteria())  # 98 % < 99 %
+    empty = on_time_figures(run([]), 10.0)
+    assert not passes(empty, Criteria())
+
+
+def fake_probe(limit: float):
+    def probe(rate: float) -> dict:
+        good = rate <= limit
+        return {"rate": rate, "on_time_share": 1.0 if good else 0.5, "first_chunk_p95_ms": 100.0}
+
+    return probe
+
+
+def test_search_steps_up_then_bisects_between_pass_and_fail():
+    cap, probes = search(fake_probe(7.3), Criteria(), 4.0, 64.0, growth=1.5, refine=2)
+    rates = [p["rate"] for p in probes]
+    assert rates[:3] == [4.0, 6.0, 9.0]  # up until the first failure
+    assert rates[3] == pytest.approx(math.sqrt(54.0))  # 7.35: fails
+    assert rates[4] == pytest.approx(math.sqrt(6.0 * math.sqrt(54.0)))  # 6.64: passes
+    assert cap == pytest.approx(rates[4]) and cap <= 7.3
+    assert [p["passed"] for p in probes] == [True, True, False, False, True]
+
+
+def test_search_steps_down_when_the_start_fails_and_respects_the_budget():
+    cap, probes = search(fake_probe(1.0), Criteria(), 4.0, 64.0, growth=2.0, refine=0)
+    assert [p["rate"] for p in probes] == [4.0, 2.0, 1.0]
+    assert cap == 1.0
+    budget = iter([True, False])
+    cap, probes = search(fake_probe(100), Criteria(), 4.0, 64.0, can_probe=lambda: next(budget))
+    assert cap == 4.0 and len(probes) == 1
+    cap, probes = search(fake_probe(0.01), Criteria(), 4.0, 64.0, growth=2.0, refine=0)
+    assert cap is None and min(p["rate"] for p in probes) >= 4.0 / 8
+
+
+def test_back_to_idle_and_report():
+    before = {"t2w_flow_queue_depth": 0.0, "t2w_gateway_active_streams": 0.0, "gpu_used_mib": 9}
+    assert back_to_idle(before, dict(before, gpu_used_mib=12))
+    assert not back_to_idle(before, dict(before, t2w_flow_queue_depth=3.0))
+    probes = [dict(on_time_figures(run([stream()] * 10), 10.0), passed=True)]
+    text = render(
+        {
+            "dtype": "bfloat16",
+            "preset": "small",
+            "device": "cpu",
+            "command": "python -m bench capacity",
+            "started_at": "now",
+            "workload": "w",
+            "capacity": {
+                "all at once": {
+                    "capacity_rate": 2.0,
+                    "capacity_audio_s_per_s": 20.0,
+                    "capacity_concurrent": 8.0,
+                    "probes": probes,
+                }
+            },
+        }
+    )
+    assert "2.00 streams/s = 20 audio s/s" in text and "10/10 (100.0 %)" in text

@@ -1,0 +1,312 @@
+"""Prefix cache (issue 17): cached and recomputed mel agree on every path (hit, partial hit,
+miss, eviction between calls, prompt blocks shared by a voice, batches mixing cached and
+uncached rows), and the bookkeeping (finalize, cancel, failure, bytes) frees what it holds.
+CPU, small preset, fp32; one GPU test (marked) for fp32 without TF32 and bf16."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from flow_service.engine import FlowEngine
+from flow_service.model import ChunkRequest, FlowModel, PrefixCache, Voice, load_flow
+from flow_service.scheduler import BatchPolicy
+from gateway.schedule import ChunkPlanner
+
+REL = 1e-5  # cached vs recomputed: max |diff| <= REL x max |mel| (fp32)
+
+
+@pytest.fixture(scope="module")
+def model() -> FlowModel:
+    torch.set_num_threads(1)
+    return load_flow(None, preset="small", seed=0)
+
+
+def make_voice(seed: int, num_prompt_tokens: int) -> Voice:
+    g = torch.Generator().manual_seed(seed)
+    return Voice(
+        prompt_token=torch.randint(0, 6561, (num_prompt_tokens,), generator=g),
+        prompt_feat=torch.randn(2 * num_prompt_tokens, 80, generator=g) * 2.0 - 6.0,
+        embedding=torch.randn(192, generator=g),
+    )
+
+
+def stream_calls(voice: Voice, key: str, num_tokens: int, seed: int) -> list[ChunkRequest]:
+    """The gateway's calls for one utterance (prompt pad, hops 25.., last call full attention),
+    plus a final call with block-causal attention (the proto allows it; it may read the cache)."""
+    tokens = torch.randint(0, 6561, (num_tokens,), generator=torch.Generator().manual_seed(seed))
+    planner = ChunkPlanner(voice.num_prompt_tokens)
+    calls = []
+    for ended in (False, True):
+        while (c := planner.next_chunk(num_tokens, ended)) is not None:
+            calls.append(
+                ChunkRequest(
+                    voice, tokens[: c.num_tokens], c.token_offset, c.finalize, c.streaming, key
+                )
+            )
+    last = calls[-1]
+    calls.append(dataclasses.replace(last, streaming=True))
+    return calls
+
+
+def new_cache(model: FlowModel, budget_blocks: int = 64, **kw) -> PrefixCache:
+    probe = PrefixCache.for_model(model, 0)
+    return PrefixCache.for_model(model, budget_blocks * probe.block_bytes, **kw)
+
+
+def assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape
+        rel = float((g - w).abs().max()) / max(float(w.abs().max()), 1e-6)
+        assert rel <= REL, f"output {i}: cached vs recomputed {rel:.2e} > {REL:.0e}"
+
+
+def reference(model: FlowModel, calls: list[ChunkRequest]) -> list[torch.Tensor]:
+    return [model.generate([c])[0] for c in calls]
+
+
+def test_hits_match_recomputation_and_skip_the_prefix(model):
+    voice = make_voice(1, 35)
+    calls = stream_calls(voice, "a", 230, seed=1)  # hops 40, 50, 100, then final calls
+    want = reference(model, calls)
+    cache = new_cache(model)
+    got = [model.generate([c], prefix_cache=cache)[0] for c in calls[:-1]]
+    assert_close(got, want[:-1])
+    # calls 2 and 3 read every block the previous call completed
+    assert cache.stats["hits"] == 2 and cache.stats["misses"] == 1
+    total = sum(c.num_seq_frames for c in calls[:-1])
+    reused = calls[0].num_seq_frames + calls[1].num_seq_frames
+    assert cache.stats["reused_frames"] == reused
+    assert cache.stats["computed_frames"] == total - reused
+    # the final call (full attention) recomputes and drops the stream's entry, not the voice's
+    assert cache.num_entries == 1 and cache.used_blocks == 1
+    got_final = model.generate([calls[-1]], prefix_cache=cache)[0]  # block-causal final call
+    assert_close([got_final], [want[-1]])
+    assert cache.stats["voice_hits"] == 1
+
+
+def test_partial_hits_retry_and_skipped_chunk(model):
+    voice = make_voice(2, 35)
+    calls = stream_calls(voice, "b", 230, seed=2)
+    want = reference(model, calls)
+    cache = new_cache(model)
+    model.generate([calls[0]], prefix_cache=cache)
+    # chunk 2 never came back to this replica: chunk 3 uses what chunk 1 left (3 of 5 blocks)
+    got = model.generate([calls[2]], prefix_cache=cache)[0]
+    assert_close([got], [want[2]])
+    assert cache.stats["reused_frames"] == calls[0].num_seq_frames
+    # a retried chunk 2 after chunk 3: the entry reaches past its first frame; only the blocks
+    # before that frame are used, and the longer entry stays
+    before = cache.used_blocks
+    got = model.generate([calls[1]], prefix_cache=cache)[0]
+    assert_close([got], [want[1]])
+    assert cache.stats["reused_frames"] == calls[0].num_seq_frames + calls[1].out_start_frame
+    assert cache.used_blocks == before
+
+
+@pytest.mark.parametrize("change", ["key", "tokens", "voice"])
+def test_mismatch_is_a_miss_never_a_wrong_result(model, change):
+    voice = make_voice(3, 35)
+    calls = stream_calls(voice, "c", 200, seed=3)
+    cache = new_cache(model, share_voice_blocks=False)
+    model.generate([calls[0]], prefix_cache=cache)
+    second = calls[1]
+    if change == "key":
+        second = dataclasses.replace(second, cache_key="other")
+    elif change == "tokens":  # same key, a different utterance: one early token differs
+        tokens = second.tokens.clone()
+        tokens[3] = (tokens[3] + 1) % 6561
+        second = dataclasses.replace(second, tokens=tokens)
+    else:  # same key and tokens, another voice of the same prompt length
+        second = dataclasses.replace(second, voice=make_voice(4, 35))
+    want = model.generate([second])[0]
+    got = model.generate([second], prefix_cache=cache)[0]
+    assert_close([got], [want])
+    if change == "tokens":
+        # token 3 is frame 76 of the sequence: only block 0 (frames 0-49, which read ids up to
+        # 27, all prompt) is still valid, and only it is used
+        assert cache.stats["hits"] == 1 and cache.stats["reused_frames"] == 50
+    else:
+        assert cache.stats["hits"] == 0 and cache.stats["misses"] == 2
+
+
+def test_eviction_between_calls(model):
+    voices = [make_voice(5, 35), make_voice(6, 35)]
+    streams = [stream_calls(v, f"e{i}", 130, seed=10 + i) for i, v in enumerate(voices)]
+    cache = new_cache(model, budget_blocks=5, share_voice_blocks=False)
+    for k in range(3):  # interleaved: each stream's entry pushes the other one out
+        for calls in streams:
+            got = model.generate([calls[k]], prefix_cache=cache)[0]
+            assert_close([got], [model.generate([calls[k]])[0]])
+            assert cache.used_blocks <= cache.capacity == 5
+    assert cache.stats["evictions"] >= 1
+    assert cache.stats["misses"] >= 3
+
+
+def test_prompt_blocks_are_shared_across_streams_of_a_voice(model):
+    voice = make_voice(7, 60)  # prompt 120 frames: 2 blocks depend on the prompt alone
+    a = stream_calls(voice, "va", 100, seed=20)
+    b = stream_calls(voice, "vb", 100, seed=21)
+    cache = new_cache(model)
+    model.generate([a[0]], prefix_cache=cache)
+    got = model.generate([b[0]], prefix_cache=cache)[0]  # first chunk of another stream
+    assert_close([got], [model.generate([b[0]])[0]])
+    assert cache.stats["voice_hits"] == 1
+    assert cache.stats["reused_frames"] == 100
+    # first hop 40 (prompt pad 15): 200 frames, 4 blocks per stream, the 2 prompt blocks common
+    assert a[0].num_seq_frames == b[0].num_seq_frames == 200
+    assert cache.used_blocks == 4 + 4 - 2
+    off = new_cache(model, share_voice_blocks=False)
+    model.generate([a[0]], prefix_cache=off)
+    model.generate([b[0]], prefix_cache=off)
+    assert off.stats["voice_hits"] == 0 and off.used_blocks == 8
+
+
+def test_batch_mixing_cached_and_uncached_rows(model):
+    v1, v2 = make_voice(8, 35), make_voice(9, 13)
+    s1 = stream_calls(v1, "m1", 230, seed=30)
+    s2 = stream_calls(v2, "m2", 120, seed=31)
+    cache = new_cache(model)
+    model.generate([s1[0], s1[1]], prefix_cache=cache)  # two chunks of one stream, one batch
+    batch = [
+        s1[2],  # hit
+        s2[0],  # first chunk, stores
+        s2[-2],  # final, full attention
+        dataclasses.replace(s1[1], cache_key=""),  # no key: voice blocks only
+        s1[2],  # the same hit twice in one batch
+    ]
+    got = model.generate(batch, prefix_cache=cache)
+    assert_close(got, reference(model, batch))
+    assert cache.stats["hits"] >= 2
+
+
+def test_finalize_cancel_and_failure_free_everything(model):
+    voice = make_voice(10, 35)
+    calls = stream_calls(voice, "f", 230, seed=40)
+    cache = new_cache(model, share_voice_blocks=False)
+    model.generate([calls[0]], prefix_cache=cache)
+    assert cache.num_entries == 1 and cache.used_blocks == 3
+    assert cache.bytes_used == 3 * cache.block_bytes + 150 * cache.frame_x_bytes
+
+    # a solve that fails releases the blocks it pinned and allocated, and stores nothing
+    def boom():
+        raise RuntimeError("injected")
+
+    with pytest.raises(RuntimeError, match="injected"):
+        model.generate([calls[1]], prefix_cache=cache, between_steps=boom)
+    assert cache.used_blocks == 3 and cache.num_entries == 1
+    # cancellation: the engine drops the stream's entry when its call is cancelled
+    engine = FlowEngine(model, BatchPolicy(), prefix_cache=cache)
+
+    async def cancel_one() -> None:
+        task = asyncio.ensure_future(engine.submit(calls[1], math.inf))
+        await asyncio.sleep(0)  # queued (the scheduling loop is not started)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_one())
+    assert cache.num_entries == 0 and cache.used_blocks == 0 and cache.bytes_used == 0
+    # finalize drops the entry too
+    model.generate(calls[:2], prefix_cache=cache)
+    assert cache.num_entries == 1
+    model.generate([calls[-2]], prefix_cache=cache)
+    assert cache.num_entries == 0 and cache.used_blocks == 0
+
+
+def test_metrics_hook_and_budget_errors(model):
+    seen: dict[str, float] = {}
+    cache = new_cache(model, observe=lambda n, v: seen.__setitem__(n, seen.get(n, 0) + v))
+    calls = stream_calls(make_voice(11, 35), "g", 130, seed=50)
+    model.generate([calls[0]], prefix_cache=cache)
+    model.generate([calls[1]], prefix_cache=cache)
+    assert seen["hits"] == 1 and seen["misses"] == 1
+    assert seen["reused_frames"] == cache.stats["reused_frames"] > 0
+    with pytest.raises(ValueError, match="budget_bytes"):
+        PrefixCache.for_model(model, -1)
+    empty = PrefixCache.for_model(model, 0)  # no room: every call recomputes, nothing breaks
+    got = model.generate([calls[1]], prefix_cache=empty)[0]
+    assert_close([got], [model.generate([calls[1]])[0]])
+    assert empty.used_blocks == 0
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_and_bf16(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    voice = make_voice(12, 75)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        m = load_flow(None, preset="cosyvoice3-0.5b", device="cuda", dtype=dtype, seed=0)
+        calls = stream_calls(voice, "gpu", 300, seed=60)[:-1]
+        cache = PrefixCache.for_model(m, 8 << 30)
+        want = [m.generate([c])[0] for c in calls]
+        got = [m.generate([c], prefix_cache=cache)[0] for c in calls]
+        assert cache.stats["hits"] >= 2
+        results[dtype] = (want, got)
+        del m, cache
+        torch.cuda.empty_cache()
+    assert_close(*reversed(results[torch.float32]))
+    # bf16: the cached path stays as close to fp32 as bf16 recomputation is (the two bf16
+    # paths round differently, so they are compared through their distance to fp32)
+    ref32 = results[torch.float32][0]
+
+    def rms(x: torch.Tensor) -> float:
+        return float(x.pow(2).mean().sqrt())
+
+    for i, (w, g, r) in enumerate(zip(*results[torch.bfloat16], ref32, strict=True)):
+        cached, plain = rms(g - r), rms(w - r)
+        assert cached <= 1.1 * plain, f"output {i}: bf16 cached {cached:.3g} vs {plain:.3g} rms"
+        cached, plain = float((g - r).abs().max()), float((w - r).abs().max())
+        assert cached <= 1.5 * plain, f"output {i}: bf16 cached {cached:.3g} vs {plain:.3g} max"
+
+
+def test_engine_runs_a_streams_chunks_in_order_so_they_hit(model):
+    """The gateway sends several chunks of a stream at once; the engine holds each until the
+    earlier ones are done, so every later chunk reads what the previous one stored."""
+    calls = stream_calls(make_voice(15, 35), "o", 230, seed=80)[:4]
+    want = reference(model, calls)
+
+    async def run(order: bool) -> tuple[list[torch.Tensor], dict]:
+        cache = new_cache(model)
+        engine = FlowEngine(
+            model, BatchPolicy(max_wait_ms=50.0), prefix_cache=cache, order_streams=order
+        )
+        engine.start()
+        try:
+            results = await asyncio.gather(*(engine.submit(c) for c in calls))  # in seq order
+        finally:
+            await engine.stop()
+        return [r.mel for r in results], cache.stats
+
+    got, ordered = asyncio.run(run(order=True))
+    assert_close(got, want)
+    # chunks 2 and 3 read all of the previous chunk; the final call has full attention
+    assert ordered["hits"] == 2 and ordered["misses"] == 1
+    assert ordered["reused_frames"] == calls[0].num_seq_frames + calls[1].num_seq_frames
+    got, unordered = asyncio.run(run(order=False))  # batched together: little to reuse
+    assert_close(got, want)
+    assert unordered["reused_frames"] < ordered["reused_frames"]
+
+
+def test_blocks_spread_over_several_slabs(model, monkeypatch):
+    """Each slab a batch touches is gathered apart: a stream whose blocks lie in several slabs
+    (and a batch of two such streams) still gets the recomputed mel."""
+    import flow_service.model.prefix_cache as pc
+
+    probe = PrefixCache.for_model(model, 0)
+    monkeypatch.setattr(pc, "SLAB_BYTES", 2 * probe.block_bytes)
+    cache = new_cache(model, budget_blocks=40, share_voice_blocks=False)
+    assert cache.slab_blocks == 2 and len(cache._slabs) == 20
+    s1 = stream_calls(make_voice(16, 35), "p1", 230, seed=90)
+    s2 = stream_calls(make_voice(17, 13), "p2", 230, seed=91)
+    for k in range(3):
+        got = model.generate([s1[k], s2[k]], prefix_cache=cache)
+        assert_close(got, reference(model, [s1[k], s2[k]]))
+    assert cache.stats["hits"] == 4
+    assert sum(s is not None for s in cache._slabs) >= 4
