@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 
 from gateway.admission import AdmissionConfig
-from gateway.clients import ClientStreams
+from gateway.callers import ClientStreams
 from gateway.deadlines import DeadlineConfig
 from gateway.downstream import FlowClient
 from gateway.failover import RetryBudget

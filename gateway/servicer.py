@@ -9,7 +9,7 @@ from collections import OrderedDict
 
 from gateway import metrics
 from gateway.admission import AdmissionConfig, AdmissionController
-from gateway.clients import ClientStreams, client_of
+from gateway.callers import ClientStreams, client_of
 from gateway.downstream import FlowClient
 from gateway.inbound import Inbound, InboundLimits
 from gateway.pipeline import PipelineLimits, StreamPipeline, StreamSetup
