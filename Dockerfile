@@ -89,6 +89,7 @@ RUN /opt/venv/bin/pip install --no-deps --no-index --no-cache-dir \
 # HOME=/tmp: torch and friends write caches under $HOME; /tmp is the one writable place when
 # the root file system is read-only (compose `read_only`, k8s readOnlyRootFilesystem).
 # *_HOST=0.0.0.0: the services bind loopback by default, which a container cannot be reached on.
+# *_REFLECTION=false: no gRPC reflection in the image (it is on for local runs from a checkout).
 # NVIDIA_DRIVER_CAPABILITIES: which driver libraries the NVIDIA container toolkit mounts (its
 # default, utility, lacks CUDA); which GPUs is left to compose/Kubernetes, never `all` here.
 ENV PATH=/opt/venv/bin:$PATH \
@@ -98,6 +99,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     GATEWAY_HOST=0.0.0.0 \
     FLOW_HOST=0.0.0.0 \
     VOCODER_HOST=0.0.0.0 \
+    GATEWAY_REFLECTION=false \
+    FLOW_REFLECTION=false \
+    VOCODER_REFLECTION=false \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
 WORKDIR /tmp

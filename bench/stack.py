@@ -120,19 +120,25 @@ class Stack:
 
     def start(self) -> Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        for module in self.commands():
+            self.spawn(module)
+        return self
+
+    def spawn(self, module: str, restart: bool = False) -> subprocess.Popen:
+        """Start one process, or restart it on the same port after it died (its log appends)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         if self.config.threads:
             env["OMP_NUM_THREADS"] = str(self.config.threads)
-        for module, cmd in self.commands().items():
-            log = open(self.log_path(module), "w")  # noqa: SIM115 - lives as long as the child
-            self._logs.append(log)
-            log.write(" ".join(cmd) + "\n")
-            log.flush()
-            self.procs[module] = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT
-            )
-        return self
+        cmd = self.commands()[module]
+        log = open(self.log_path(module), "a" if restart else "w")  # noqa: SIM115 - child's
+        self._logs.append(log)
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        self.procs[module] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT
+        )
+        return self.procs[module]
 
     def log_path(self, module: str) -> Path:
         return self.log_dir / f"{self.name}-{module}.log"

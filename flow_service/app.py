@@ -37,7 +37,8 @@ def build_parser() -> EnvParser:
         "flow matching, calls from all streams batched into masked, "
         "ragged solver passes.",
     )
-    add_server_flags(p, port=50052, metrics_port=9102)
+    # largest legal messages: a 30 s inline voice (0.5 MB) + 300 s of tokens; a 1003-token mel
+    add_server_flags(p, port=50052, metrics_port=9102, max_message_mb=2)
     p.flag(
         "--model-dir",
         default="",

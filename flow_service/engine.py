@@ -239,6 +239,7 @@ class FlowEngine:
             if call.status == CallStatus.WAITING:
                 call.status = CallStatus.CANCELLED  # the loop drops it before the next batch
                 metrics.DROPPED.labels("cancelled_waiting").inc()
+                self._wakeup.set()  # an idle loop drops it now (queue depth back to 0)
             elif call.status == CallStatus.RUNNING:
                 metrics.DROPPED.labels("cancelled_running").inc()
             raise

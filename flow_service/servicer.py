@@ -11,18 +11,10 @@ from flow_service.engine import FlowEngine
 from flow_service.model import ChunkRequest, validate_chunk
 from flow_service.voices import VoiceCache
 from token2wav import MAX_FRAMES, TOKEN_MEL_RATIO
-from token2wav.errors import InvalidArgument
+from token2wav.errors import InvalidArgument, check_request_id
 from token2wav.server import request_id_var
 from token2wav.tensors import decode_tokens, decode_voice, encode
 from token2wav.v1 import common_pb2, flow_pb2, flow_pb2_grpc
-
-MAX_REQUEST_ID = 128
-
-
-def check_request_id(request_id: str, field: str = "request_id") -> str:
-    if len(request_id) > MAX_REQUEST_ID:
-        raise InvalidArgument(field, f"{len(request_id)} characters, limit {MAX_REQUEST_ID}")
-    return request_id
 
 
 class FlowServicer(flow_pb2_grpc.FlowServicer):
@@ -51,7 +43,7 @@ class FlowServicer(flow_pb2_grpc.FlowServicer):
         return voice_id, chunk
 
     async def Generate(self, request, context):
-        request_id_var.set(check_request_id(request.request_id) or "-")
+        request_id_var.set(check_request_id(request.request_id, required=False) or "-")
         voice_id, chunk = self._chunk(request)
         remaining = context.time_remaining()
         now = time.monotonic()

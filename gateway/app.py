@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from gateway.admission import AdmissionConfig
+from gateway.callers import ClientStreams
 from gateway.deadlines import DeadlineConfig
 from gateway.downstream import FlowClient
+from gateway.failover import RetryBudget
+from gateway.health import GatewayServer, StageHealth
+from gateway.inbound import InboundLimits
 from gateway.pipeline import PipelineLimits
 from gateway.routing import ReplicaSet
 from gateway.servicer import GatewayServicer, VoiceRegistry
 from gateway.voices import VoiceMaker
 from token2wav.cli import EnvParser, add_server_flags
 from token2wav.frontend.audio import FrontendUnavailable
-from token2wav.server import GrpcServer, ServerOptions
+from token2wav.security import TokenAuth, channel_credentials, load_tokens
+from token2wav.server import ServerOptions
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
 
 
@@ -25,7 +31,8 @@ def build_parser() -> EnvParser:
         "utterance; chunks it, pipelines flow and vocoder, returns ordered "
         "audio.",
     )
-    add_server_flags(p, port=50051, metrics_port=9101)
+    # largest legal message: a float32 audio chunk of 1003 tokens (max hop 1000 + 3): 3.9 MB
+    add_server_flags(p, port=50051, metrics_port=9101, max_message_mb=8)
     p.flag(
         "--flow-addr",
         default="127.0.0.1:50052",
@@ -152,6 +159,73 @@ def build_parser() -> EnvParser:
         help="flow capacity in DiT frames/s for admission, replacing the replicas' reports; "
         "0: learned from the replicas",
     )
+    p.flag(
+        "--retry-budget",
+        type=float,
+        default=0.2,
+        help="flow retries allowed per flow call, across all streams (plus 10 per second): "
+        "a stage that is down is not hit with every call times --flow-attempts",
+    )
+    p.flag(
+        "--max-streams-per-client",
+        type=int,
+        default=0,
+        help="concurrent streams one client may hold (its auth identity, else its peer host: "
+        "behind a proxy use auth); past it RESOURCE_EXHAUSTED; 0: no per-client bound",
+    )
+    p.flag(
+        "--max-voices-per-client",
+        type=int,
+        default=0,
+        help="registered voices one client may hold; its oldest is evicted past it (never "
+        "another client's); 0: only --max-voices",
+    )
+    p.flag(
+        "--first-tokens-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a stream may wait for its StreamConfig, then for its first tokens, "
+        "before it ends with DEADLINE_EXCEEDED (an idle stream holds a slot)",
+    )
+    p.flag(
+        "--input-idle-timeout",
+        type=float,
+        default=120.0,
+        help="seconds between client messages once tokens flow, until EndOfInput; past it "
+        "the stream ends with DEADLINE_EXCEEDED",
+    )
+    p.flag(
+        "--vocoder-failovers",
+        type=int,
+        default=3,
+        help="times a stream may move to another vocoder replica (replaying its mel) when "
+        "its session is lost; 0 turns failover off",
+    )
+    p.flag(
+        "--auth-tokens",
+        help="file of bearer tokens, one `NAME TOKEN [METHOD,...]` per line: calls without a "
+        "listed token get UNAUTHENTICATED, methods the token does not list PERMISSION_DENIED; "
+        "NAME is the client for the per-client limits (unset: no authentication)",
+    )
+    p.flag(
+        "--internal-ca",
+        help="PEM CA that signed the flow and vocoder replicas' certificates: talk TLS to them",
+    )
+    p.flag("--internal-cert", help="PEM client certificate the gateway shows them (mutual TLS)")
+    p.flag("--internal-key", help="PEM private key of --internal-cert")
+    p.flag(
+        "--internal-server-name",
+        help="name in the replicas' certificates, when they are dialled by IP or a DNS name "
+        "their certificates do not carry",
+    )
+    p.flag(
+        "--health-check-interval",
+        type=float,
+        default=1.0,
+        help="seconds between grpc.health checks of every flow and vocoder replica; unhealthy "
+        "ones get calls only when no other is left, and the gateway reports NOT_SERVING while "
+        "a stage has no healthy replica; 0 turns the checks off",
+    )
     return p
 
 
@@ -175,10 +249,15 @@ def load_voice_maker(args: argparse.Namespace) -> VoiceMaker | None:
 
 
 def create_server(args: argparse.Namespace, voice_maker: VoiceMaker | None = None):
+    credentials = None
+    if args.internal_ca or args.internal_cert:
+        credentials = channel_credentials(args.internal_ca, args.internal_cert, args.internal_key)
     routing = dict(
         refresh_s=args.resolve_interval,
         max_message_mb=args.max_message_mb,
         retire_grace_s=args.retire_grace,
+        credentials=credentials,
+        server_name=args.internal_server_name,
     )
     flows = ReplicaSet(args.flow_addr, **routing)
     vocoders = ReplicaSet(args.vocoder_addr, **routing)
@@ -186,23 +265,45 @@ def create_server(args: argparse.Namespace, voice_maker: VoiceMaker | None = Non
     if args.deadlines:
         deadlines = DeadlineConfig(args.first_chunk_target_ms / 1e3, args.deadline_margin_ms / 1e3)
     limits = PipelineLimits(
-        args.max_inflight_chunks, args.max_buffered_chunks, args.call_timeout, deadlines
+        args.max_inflight_chunks,
+        args.max_buffered_chunks,
+        args.call_timeout,
+        deadlines,
+        max_vocoder_failovers=args.vocoder_failovers,
+    )
+    inbound = InboundLimits(
+        first_message_timeout=args.first_tokens_timeout,
+        first_tokens_timeout=args.first_tokens_timeout,
+        idle_timeout=args.input_idle_timeout,
     )
     if voice_maker is None:
         voice_maker = load_voice_maker(args)
     servicer = GatewayServicer(
-        FlowClient(flows, args.flow_attempts, sticky=args.flow_affinity == "stream"),
+        FlowClient(
+            flows,
+            args.flow_attempts,
+            sticky=args.flow_affinity == "stream",
+            budget=RetryBudget(args.retry_budget),
+        ),
         vocoders,
-        VoiceRegistry(args.max_voices),
+        VoiceRegistry(args.max_voices, args.max_voices_per_client),
         limits,
         args.max_streams,
         voice_maker,
         admission_from_args(args),
+        inbound=inbound,
+        per_client=ClientStreams(args.max_streams_per_client),
     )
-    server = GrpcServer(
-        ServerOptions.from_args(args),
+    options = ServerOptions.from_args(args)
+    if args.auth_tokens:
+        options = dataclasses.replace(
+            options, interceptors=(TokenAuth(load_tokens(args.auth_tokens)),)
+        )
+    server = GatewayServer(
+        options,
         [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
         lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
+        health=StageHealth({"flow": flows, "vocoder": vocoders}, args.health_check_interval),
     )
 
     async def close() -> None:

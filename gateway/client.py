@@ -45,7 +45,8 @@ from gateway.voice_cli import (
 )
 from token2wav import SAMPLE_RATE, SAMPLES_PER_TOKEN, VOCAB_SIZE
 from token2wav.cli import run_main
-from token2wav.errors import InvalidArgument
+from token2wav.errors import DETAILS_KEY, STATUS_KEY, InvalidArgument
+from token2wav.security import channel_credentials
 from token2wav.server import channel_options
 from token2wav.tensors import (
     INT_DTYPES,
@@ -184,6 +185,12 @@ def decode_audio(msg: gateway_pb2.SynthesizeResponse) -> np.ndarray:
     return np.frombuffer(msg.audio, "<i2").astype(np.float32) / 32768.0
 
 
+def audio_chunk(msg: gateway_pb2.SynthesizeResponse) -> AudioChunk:
+    return AudioChunk(
+        msg.seq, msg.sample_offset, decode_audio(msg), msg.is_final, msg.timing, time.perf_counter()
+    )
+
+
 def _config(
     voice: VoiceData | str,
     audio_format: str,
@@ -200,6 +207,41 @@ def _config(
     return gateway_pb2.SynthesizeRequest(config=cfg)
 
 
+_CORE_WRITE_ERROR = "Internal error from Core"
+
+
+def honest_error(exc: grpc.RpcError) -> grpc.RpcError:
+    """The server's status for an error that grpc.aio replaced with `INTERNAL: Internal error
+    from Core` (grpc/grpc#36066: the server ended the call while a write of ours was in flight).
+
+    The gateway repeats a refusal's status in its initial metadata; without it (the stream had
+    already sent audio) the call ended early for a reason we cannot know: ABORTED, retry."""
+    if exc.code() != grpc.StatusCode.INTERNAL or exc.details() != _CORE_WRITE_ERROR:
+        return exc
+    initial = exc.initial_metadata() or ()
+    headers = {str(k): str(v) for k, v in initial}
+    code = getattr(grpc.StatusCode, headers.get(STATUS_KEY, ""), None)
+    if code is None:
+        code = grpc.StatusCode.ABORTED
+        details = "the server ended the stream while the client was still sending; retry"
+    else:
+        details = headers.get(DETAILS_KEY, "")
+    return grpc.aio.AioRpcError(
+        code, grpc.aio.Metadata(*initial), grpc.aio.Metadata(), details, exc.debug_error_string()
+    )
+
+
+def _open_channel(grpc_api, target: str, tls_ca, token, server_name):
+    """(channel, call metadata) for a gateway connection; `grpc_api` is grpc or grpc.aio."""
+    options = channel_options()
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    if not tls_ca:
+        return grpc_api.insecure_channel(target, options=options), metadata
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return grpc_api.secure_channel(target, channel_credentials(tls_ca), options=options), metadata
+
+
 def _wire_ids(tokens: Iterable[int]) -> list[int]:
     return token_ids(tokens if isinstance(tokens, np.ndarray) else list(tokens)).tolist()
 
@@ -208,11 +250,18 @@ class AsyncStream:
     """One Synthesize stream. Send tokens as they come, then `end()`; iterate the audio."""
 
     def __init__(
-        self, stub, voice, audio_format="float32", request_id="", schedule=None, timeout=None
+        self,
+        stub,
+        voice,
+        audio_format="float32",
+        request_id="",
+        schedule=None,
+        timeout=None,
+        metadata=(),
     ):
         self._requests: asyncio.Queue = asyncio.Queue()
         self._requests.put_nowait(_config(voice, audio_format, request_id, schedule))
-        self._call = stub.Synthesize(self._iter_requests(), timeout=timeout)
+        self._call = stub.Synthesize(self._iter_requests(), timeout=timeout, metadata=metadata)
 
     async def _iter_requests(self):
         while True:
@@ -238,20 +287,27 @@ class AsyncStream:
         self._call.cancel()
 
     async def __aiter__(self) -> AsyncIterator[AudioChunk]:
-        async for msg in self._call:
-            yield AudioChunk(
-                msg.seq,
-                msg.sample_offset,
-                decode_audio(msg),
-                msg.is_final,
-                msg.timing,
-                time.perf_counter(),
-            )
+        try:
+            async for msg in self._call:
+                yield audio_chunk(msg)
+        except grpc.RpcError as exc:
+            raise honest_error(exc) from None
 
 
 class AsyncClient:
-    def __init__(self, target: str = "127.0.0.1:50051"):
-        self.channel = grpc.aio.insecure_channel(target, options=channel_options())
+    """`tls_ca`: verify the gateway's TLS certificate with this CA file (None: plaintext);
+    `token`: bearer token for a gateway run with --auth-tokens; `server_name`: the name in the
+    gateway's certificate when `target` is an IP."""
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        tls_ca: str | None = None,
+        token: str | None = None,
+        server_name: str | None = None,
+    ):
+        self.channel, self.metadata = _open_channel(grpc.aio, target, tls_ca, token, server_name)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     async def __aenter__(self):
@@ -261,11 +317,11 @@ class AsyncClient:
         await self.channel.close()
 
     def stream(self, voice: VoiceData | str, **kw) -> AsyncStream:
-        return AsyncStream(self.stub, voice, **kw)
+        return AsyncStream(self.stub, voice, metadata=self.metadata, **kw)
 
     async def register_voice(self, voice: VoiceData) -> str:
         resp = await self.stub.RegisterVoice(
-            gateway_pb2.RegisterVoiceRequest(voice=voice.to_proto())
+            gateway_pb2.RegisterVoiceRequest(voice=voice.to_proto()), metadata=self.metadata
         )
         return resp.voice_id
 
@@ -276,18 +332,29 @@ class AsyncClient:
         )
 
     async def delete_voice(self, voice_id: str) -> None:
-        await self.stub.DeleteVoice(gateway_pb2.DeleteVoiceRequest(voice_id=voice_id))
+        await self.stub.DeleteVoice(
+            gateway_pb2.DeleteVoiceRequest(voice_id=voice_id), metadata=self.metadata
+        )
 
 
 class Stream:
     """The synchronous twin of AsyncStream (gRPC reads the request queue on its own thread)."""
 
     def __init__(
-        self, stub, voice, audio_format="float32", request_id="", schedule=None, timeout=None
+        self,
+        stub,
+        voice,
+        audio_format="float32",
+        request_id="",
+        schedule=None,
+        timeout=None,
+        metadata=(),
     ):
         self._requests: queue.Queue = queue.Queue()
         self._requests.put(_config(voice, audio_format, request_id, schedule))
-        self._call = stub.Synthesize(iter(self._requests.get, None), timeout=timeout)
+        self._call = stub.Synthesize(
+            iter(self._requests.get, None), timeout=timeout, metadata=metadata
+        )
 
     def send(self, tokens: Iterable[int]) -> None:
         """Queue token ids. A bad id raises InvalidArgument here and sends nothing; the stream
@@ -307,20 +374,25 @@ class Stream:
         self._requests.put(None)  # ends the request iterator gRPC's sender thread waits on
 
     def __iter__(self) -> Iterator[AudioChunk]:
-        for msg in self._call:
-            yield AudioChunk(
-                msg.seq,
-                msg.sample_offset,
-                decode_audio(msg),
-                msg.is_final,
-                msg.timing,
-                time.perf_counter(),
-            )
+        try:
+            for msg in self._call:
+                yield audio_chunk(msg)
+        except grpc.RpcError as exc:
+            raise honest_error(exc) from None
 
 
 class Client:
-    def __init__(self, target: str = "127.0.0.1:50051"):
-        self.channel = grpc.insecure_channel(target, options=channel_options())
+    """The synchronous twin of AsyncClient (same arguments)."""
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        tls_ca: str | None = None,
+        token: str | None = None,
+        server_name: str | None = None,
+    ):
+        self.channel, self.metadata = _open_channel(grpc, target, tls_ca, token, server_name)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     def __enter__(self):
@@ -330,18 +402,20 @@ class Client:
         self.channel.close()
 
     def stream(self, voice: VoiceData | str, **kw) -> Stream:
-        return Stream(self.stub, voice, **kw)
+        return Stream(self.stub, voice, metadata=self.metadata, **kw)
 
     def register_voice(self, voice: VoiceData) -> str:
         return self.stub.RegisterVoice(
-            gateway_pb2.RegisterVoiceRequest(voice=voice.to_proto())
+            gateway_pb2.RegisterVoiceRequest(voice=voice.to_proto()), metadata=self.metadata
         ).voice_id
 
     def register_audio(self, audio_file=None, pcm=None, sample_rate=0) -> RegisteredVoice:
         return _registered(self.stub.RegisterVoice(audio_request(audio_file, pcm, sample_rate)))
 
     def delete_voice(self, voice_id: str) -> None:
-        self.stub.DeleteVoice(gateway_pb2.DeleteVoiceRequest(voice_id=voice_id))
+        self.stub.DeleteVoice(
+            gateway_pb2.DeleteVoiceRequest(voice_id=voice_id), metadata=self.metadata
+        )
 
     def synthesize(self, voice: VoiceData | str, tokens, **kw) -> np.ndarray:
         tokens = token_ids(tokens)  # bad ids raise here, before a stream is opened

@@ -14,6 +14,7 @@ import numpy as np
 
 from gateway.admission import CapacityBoard
 from gateway.deadlines import slack_ms
+from gateway.failover import RetryBudget
 from gateway.routing import ReplicaSet
 from token2wav.errors import (
     Aborted,
@@ -23,6 +24,7 @@ from token2wav.errors import (
     ResourceExhausted,
     ServiceError,
     Unavailable,
+    scrub,
 )
 from token2wav.tensors import VoiceData, decode, encode
 from token2wav.v1 import flow_pb2, flow_pb2_grpc
@@ -39,11 +41,22 @@ _PASS_THROUGH = {
 
 def downstream_error(exc: grpc.aio.AioRpcError, what: str) -> Exception:
     """Capacity and availability problems pass through with their code; anything else a
-    downstream service says about our own request is a gateway bug (INTERNAL)."""
-    cls = _PASS_THROUGH.get(exc.code())
+    downstream service says about our own request is a gateway bug (INTERNAL). `what` names the
+    stage, never a replica's address: the message goes to the client (addresses in the
+    downstream's details are scrubbed too; the log has them)."""
+    code = exc.code()
+    if code == grpc.StatusCode.CANCELLED:
+        code = grpc.StatusCode.UNAVAILABLE  # the replica shut down under the call
+    cls = _PASS_THROUGH.get(code)
     if cls is not None:
-        return cls(f"{what}: {exc.details()}")
-    return RuntimeError(f"{what} failed with {exc.code().name}: {exc.details()}")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return cls(f"{what}: no replica reachable, retry")
+        return cls(f"{what}: {scrub(exc.details() or '')}")
+    return RuntimeError(f"{what} failed with {code.name}: {exc.details()}")
+
+
+# A replica that is down (UNAVAILABLE) or shutting down under the call (CANCELLED).
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
 
 
 @dataclass
@@ -83,10 +96,12 @@ class FlowClient:
         max_attempts: int = 3,
         board: CapacityBoard | None = None,
         sticky: bool = True,
+        budget: RetryBudget | None = None,
     ):
         self.replicas = replicas
         self.max_attempts = max_attempts
         self.sticky = sticky  # a stream's calls to its rendezvous replica, else round robin
+        self.budget = budget or RetryBudget()
         self.known = KnownVoices()
         self.board = board or CapacityBoard()  # the replicas' reported capacity
 
@@ -119,6 +134,7 @@ class FlowClient:
             order = await self.replicas.ranked(request_id)
         else:
             order = await self.replicas.round_robin()
+        self.budget.on_call()
         for attempt in range(self.max_attempts):
             addr = order[attempt % len(order)]
             stub = flow_pb2_grpc.FlowStub(self.replicas.channel(addr))
@@ -152,8 +168,11 @@ class FlowClient:
                 mel = decode(resp.mel, "mel", shape=(80, None))
                 t = resp.timing
                 return FlowOutput(mel, t.queue_ms, t.compute_ms, t.batch_size)
-            if last is None or last.code() != grpc.StatusCode.UNAVAILABLE:
-                break  # only UNAVAILABLE is worth another replica
+            if last is None or last.code() not in _RETRYABLE:
+                break  # only a replica that is down or shutting down is worth another one
+            self.replicas.eject(addr)
+            if attempt + 1 == self.max_attempts or not self.budget.try_retry():
+                break
             logger.warning(
                 "flow replica %s unavailable (%s); retrying elsewhere", addr, last.details()
             )

@@ -21,6 +21,16 @@ FLOW_CAPACITY = Gauge(
     "Flow capacity admission plans with: replicas' reports summed, times --admission-headroom",
 )
 AUDIO_SECONDS = Counter("t2w_gateway_audio_seconds_total", "Audio seconds sent to clients")
+VOCODER_FAILOVERS = Counter(
+    "t2w_gateway_vocoder_failovers_total",
+    "Streams moved to another vocoder session (mel replayed) after losing theirs, by reason",
+    ["reason"],
+)
+RETRIES = Counter(
+    "t2w_gateway_flow_retries_total",
+    "Flow calls retried on another replica, and retries refused by the retry budget",
+    ["outcome"],
+)
 FRONTEND_PENDING = Gauge(
     "t2w_gateway_frontend_pending", "Prompt recordings being made into voices or waiting to be"
 )

@@ -5,7 +5,8 @@ Tasks per stream (all cancelled together when the client leaves or anything fail
   planner  - launches a flow call as soon as the schedule allows (bounded in-flight chunks)
   flow[k]  - one Generate call per chunk; results may come back in any order
   vocoder  - one Session stream to the stream's vocoder replica: mel chunks go out in seq order,
-             audio comes back in seq order and is converted for the client
+             audio comes back in seq order and is converted for the client; a lost session is
+             reopened elsewhere and replayed (gateway/failover.py)
 The handler yields audio from a bounded queue, so a slow client slows its own stream only
 (gRPC flow control upstream of the queue, bounded in-flight chunks downstream).
 """
@@ -26,6 +27,7 @@ import numpy as np
 
 from gateway.deadlines import DeadlineConfig, PlaybackClock, slack_ms
 from gateway.downstream import FlowClient, FlowOutput, downstream_error
+from gateway.failover import SessionLost, count_failover, detach, lost_reason
 from gateway.routing import ReplicaSet
 from gateway.schedule import Chunk, ChunkPlanner, ScheduleConfig
 from token2wav import MAX_FRAMES, SAMPLE_RATE, SAMPLES_PER_TOKEN, TOKEN_MEL_RATIO, VOCAB_SIZE
@@ -34,7 +36,6 @@ from token2wav.tensors import VoiceData, decode, encode
 from token2wav.v1 import common_pb2, gateway_pb2, vocoder_pb2, vocoder_pb2_grpc
 
 logger = logging.getLogger(__name__)
-_CORE_WRITE_ERROR = "Internal error from Core"  # grpc.aio: a write failed on a finished call
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class PipelineLimits:
     call_timeout_cap: float = 60.0  # s, cap on any downstream call's deadline
     # Playback deadlines sent downstream as slack (gateway/deadlines.py); None: none sent.
     deadlines: DeadlineConfig | None = DeadlineConfig()
+    max_vocoder_failovers: int = 3  # times a stream may reopen its session on another replica
+    failover_connect_wait: float = 5.0  # s a failover waits for its replica to (re)connect
 
 
 @dataclass
@@ -77,21 +80,30 @@ class StreamPipeline:
         self.planner = ChunkPlanner(n_p, setup.schedule)
         self._changed = asyncio.Event()
         self._slots = asyncio.Semaphore(limits.max_inflight_chunks)
-        self._chunks: dict[int, Chunk] = {}  # seq -> chunk
+        self._chunks: dict[int, asyncio.Future[Chunk]] = {}  # seq -> chunk, once planned
         self._ready_at: dict[int, float] = {}  # seq -> when its tokens were all in
         self.playback = PlaybackClock(limits.deadlines) if limits.deadlines else None
         self._due: dict[int, float] = {}  # seq -> playback deadline sent to the flow service
-        self._mels: dict[int, asyncio.Future[FlowOutput]] = {}  # seq -> flow result
-        self._planned = asyncio.Condition()
+        # seq -> flow result; kept until the stream ends (bounded: 300 s of mel is 4.8 MB), so
+        # a lost vocoder session can be replayed on another replica.
+        self._mels: dict[int, asyncio.Future[FlowOutput]] = {}
+        self._num_sent = 0  # chunks sent to a vocoder (each frees an in-flight slot once)
+        self._num_delivered = 0  # chunks whose audio went to the client
+        self._delivered_sizes: list[int] = []  # [num_delivered] samples per delivered chunk
         self._out: asyncio.Queue = asyncio.Queue(limits.max_buffered_chunks)
         self._failure: asyncio.Future = asyncio.get_running_loop().create_future()
         self._tasks: list[asyncio.Task] = []
         self._vocoder_addr: str | None = None
         self._finished = False
-        # The vocoder session key is unique per stream, not the client's request id alone: a
-        # client that reuses an id (a retry, a second utterance) must never be answered from the
-        # finished session the vocoder still keeps for retries of the old stream.
-        self.session_id = f"{setup.request_id[:100]}:{uuid.uuid4().hex[:16]}"
+        self.num_failovers = 0
+        self.session_id = self._new_session_id()
+
+    def _new_session_id(self) -> str:
+        # The vocoder session key is unique per stream and per failover, not the client's
+        # request id alone: a client that reuses an id (a retry, a second utterance) must never
+        # be answered from the finished session the vocoder still keeps for retries of the old
+        # stream, nor a replay from a half-built one.
+        return f"{self.setup.request_id[:100]}:{uuid.uuid4().hex[:16]}"
 
     # -- helpers -----------------------------------------------------------------------------
     def _timeout(self) -> float | None:
@@ -124,6 +136,9 @@ class StreamPipeline:
         task = asyncio.get_running_loop().create_task(
             guarded(), name=f"{self.setup.request_id}:{name}"
         )
+        # A task cancelled before its first step never starts `coro`; close it so Python does
+        # not warn that it was never awaited (a no-op once it ran).
+        task.add_done_callback(lambda _: coro.close())
         self._tasks.append(task)
         return task
 
@@ -173,14 +188,12 @@ class StreamPipeline:
                 if self.playback is not None:
                     self._due[chunk.seq] = self.playback.due(chunk, ready_at)
                 await self._slots.acquire()  # bounded in-flight chunks per stream
-                self._chunks[chunk.seq] = chunk
                 self._ready_at[chunk.seq] = ready_at
                 fut = asyncio.get_running_loop().create_future()
                 self._mels[chunk.seq] = fut
                 tokens = self.tokens[: chunk.num_tokens].copy()
                 self._spawn(self._flow(chunk, tokens, fut), f"flow{chunk.seq}")
-                async with self._planned:
-                    self._planned.notify_all()
+                self._chunk_future(chunk.seq).set_result(chunk)
         if self.planner.seq == 0:
             raise InvalidArgument("tokens", "the stream ended without any token")
 
@@ -204,36 +217,77 @@ class StreamPipeline:
         fut.set_result(out)
 
     # -- vocoder session ---------------------------------------------------------------------
-    async def _chunk(self, seq: int) -> Chunk:
-        async with self._planned:
-            await self._planned.wait_for(lambda: seq in self._chunks)
-        return self._chunks[seq]
+    def _chunk_future(self, seq: int) -> asyncio.Future[Chunk]:
+        fut = self._chunks.get(seq)
+        if fut is None:
+            fut = self._chunks[seq] = asyncio.get_running_loop().create_future()
+        return fut
 
-    async def _vocoder_requests(self):
+    @staticmethod
+    async def _ready(fut: asyncio.Future, stop: asyncio.Future) -> bool:
+        """Wait for `fut` (never cancelling it: others share it) unless `stop` comes first."""
+        if not fut.done():
+            await asyncio.wait({fut, stop}, return_when=asyncio.FIRST_COMPLETED)
+        return fut.done()
+
+    async def _vocoder_requests(self, session_id: str, stop: asyncio.Future):
+        """Chunks from seq 0 for one session: a replay first (chunks sent to a lost session),
+        then new chunks as flow delivers them. grpc.aio reads this from its own task, which
+        nobody cancels when the call fails, so every wait also ends on `stop`."""
         seq = 0
         while True:
-            chunk = await self._chunk(seq)
-            out = await self._mels[seq]
+            if not await self._ready(self._chunk_future(seq), stop):
+                return
+            chunk = self._chunks[seq].result()
+            if not await self._ready(self._mels[seq], stop):
+                return
             msg = vocoder_pb2.VocoderChunk(
-                request_id=self.session_id,
+                request_id=session_id,
                 seq=seq,
-                mel=encode(out.mel),
+                mel=encode(self._mels[seq].result().mel),
                 finalize=chunk.finalize,
             )
             if self.playback is not None:  # recomputed: playback may have started meanwhile
                 due = self.playback.due(chunk, self._ready_at[seq])
                 msg.slack_ms = slack_ms(due, time.monotonic())
             yield msg
-            self._slots.release()
+            if seq == self._num_sent:  # a new chunk, not a replayed one
+                self._num_sent += 1
+                self._slots.release()
             if chunk.finalize:
                 return
             seq += 1
 
-    async def _vocode(self) -> None:
-        rid = self.setup.request_id
-        self._vocoder_addr = await self.vocoders.pick(rid)
-        stub = vocoder_pb2_grpc.VocoderStub(self.vocoders.channel(self._vocoder_addr))
-        call = stub.Session(self._vocoder_requests(), timeout=self._timeout_stream())
+    def _deliver(self, audio: vocoder_pb2.VocoderAudio, samples: np.ndarray):
+        flow_out = self._mels[audio.seq].result()
+        fmt = self.setup.audio_format
+        msg = gateway_pb2.SynthesizeResponse(
+            request_id=self.setup.request_id,
+            seq=audio.seq,
+            sample_offset=audio.sample_offset,
+            sample_rate=SAMPLE_RATE,
+            audio_format=fmt,
+            audio=to_client_audio(samples, fmt),
+            num_samples=samples.size,
+            is_final=audio.is_final,
+            timing=gateway_pb2.ChunkTiming(
+                flow_queue_ms=flow_out.queue_ms,
+                flow_compute_ms=flow_out.compute_ms,
+                flow_batch_size=flow_out.batch_size,
+                vocoder_queue_ms=audio.timing.queue_ms,
+                vocoder_compute_ms=audio.timing.compute_ms,
+                vocoder_batch_size=audio.timing.batch_size,
+            ),
+        )
+        return msg, self._ready_at[audio.seq]
+
+    async def _session(self, addr: str) -> None:
+        """One vocoder session on `addr`, from seq 0 to the final chunk; raises SessionLost."""
+        stub = vocoder_pb2_grpc.VocoderStub(self.vocoders.channel(addr))
+        stop = asyncio.get_running_loop().create_future()
+        call = stub.Session(
+            self._vocoder_requests(self.session_id, stop), timeout=self._timeout_stream()
+        )
         expected_seq, expected_offset = 0, 0
         try:
             async for audio in call:
@@ -243,51 +297,91 @@ class StreamPipeline:
                         f"want {expected_seq} @ {expected_offset}"
                     )
                 samples = decode(audio.audio, "audio", shape=(None,))
-                flow_out = self._mels[audio.seq].result()
-                fmt = self.setup.audio_format
-                msg = gateway_pb2.SynthesizeResponse(
-                    request_id=rid,
-                    seq=audio.seq,
-                    sample_offset=audio.sample_offset,
-                    sample_rate=SAMPLE_RATE,
-                    audio_format=fmt,
-                    audio=to_client_audio(samples, fmt),
-                    num_samples=samples.size,
-                    is_final=audio.is_final,
-                    timing=gateway_pb2.ChunkTiming(
-                        flow_queue_ms=flow_out.queue_ms,
-                        flow_compute_ms=flow_out.compute_ms,
-                        flow_batch_size=flow_out.batch_size,
-                        vocoder_queue_ms=audio.timing.queue_ms,
-                        vocoder_compute_ms=audio.timing.compute_ms,
-                        vocoder_batch_size=audio.timing.batch_size,
-                    ),
-                )
-                await self._out.put((msg, self._ready_at[audio.seq]))
+                if audio.seq < self._num_delivered:  # replayed: the client has it already
+                    if samples.size != self._delivered_sizes[audio.seq]:
+                        raise RuntimeError(
+                            f"replayed chunk {audio.seq}: {samples.size} samples, "
+                            f"delivered {self._delivered_sizes[audio.seq]}"
+                        )
+                else:
+                    await self._out.put(self._deliver(audio, samples))
+                    self._num_delivered += 1
+                    self._delivered_sizes.append(samples.size)
                 expected_seq += 1
                 expected_offset += samples.size
                 if audio.is_final:
                     break
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                # The replica lost the session mid-stream (restarted, or evicted it): the audio
-                # state is gone, so this stream cannot go on; the client may retry the request.
-                raise Aborted(
-                    f"vocoder {self._vocoder_addr} lost this stream's session: {exc.details()}"
-                ) from exc
-            if exc.code() == grpc.StatusCode.INTERNAL and exc.details() == _CORE_WRITE_ERROR:
-                # grpc.aio replaces the server's status with this when the server ends the call
-                # while one of our writes is in flight: the vocoder ended the session's stream
-                # early (any reason), not a fault of ours, and the stream cannot go on.
-                raise Aborted(
-                    f"vocoder {self._vocoder_addr} ended this stream's session call early"
-                ) from exc
-            raise downstream_error(exc, f"vocoder {self._vocoder_addr}") from exc
+            reason = lost_reason(exc)
+            if reason is None:
+                raise downstream_error(exc, "vocoder") from exc
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                error: Exception = downstream_error(exc, "vocoder")
+            else:
+                error = Aborted("vocoder lost this stream's session; retry the request")
+            logger.warning("vocoder %s: session %s lost (%s)", addr, self.session_id, reason)
+            raise SessionLost(addr, reason, error) from exc
+        finally:
+            call.cancel()
+            if not stop.done():
+                stop.set_result(None)
         total = SAMPLES_PER_TOKEN * self.num_tokens
         if expected_offset != total:
             raise RuntimeError(f"stream produced {expected_offset} samples, want {total}")
+
+    async def _vocode(self) -> None:
+        lost_on: set[str] = set()  # replicas that lost a session of this stream
+        while True:
+            self._vocoder_addr = await self.vocoders.pick(self.setup.request_id, exclude=lost_on)
+            if self.num_failovers:
+                await self._connected(self._vocoder_addr)
+            try:
+                await self._session(self._vocoder_addr)
+                break
+            except SessionLost as lost:
+                if self.num_failovers >= self.limits.max_vocoder_failovers:
+                    raise lost.error from None
+                self.num_failovers += 1
+                count_failover(lost.reason)
+                lost_on.add(lost.addr)
+                if lost.reason in ("UNAVAILABLE", "CANCELLED"):
+                    self.vocoders.eject(lost.addr)  # other streams avoid it too
+                self._cancel_session(lost.addr, self.session_id)  # it may still hold state
+                self.session_id = self._new_session_id()
+                logger.info(
+                    "replaying %d chunks (%d delivered) in a new vocoder session",
+                    self._num_sent,
+                    self._num_delivered,
+                )
         self._finished = True
         await self._out.put(None)
+
+    async def _connected(self, addr: str) -> None:
+        """Wait (bounded) until `addr` is connected: after a restart of the only replica its
+        channel fails fast until it reconnects, which the short reconnect backoff makes quick."""
+        wait = self.limits.failover_connect_wait
+        if self.setup.deadline is not None:
+            wait = min(wait, max(0.0, self.setup.deadline - time.monotonic()))
+        try:
+            await asyncio.wait_for(self.vocoders.channel(addr).channel_ready(), wait)
+        except TimeoutError:
+            pass  # the session call fails UNAVAILABLE and counts as another loss
+
+    def _cancel_session(self, addr: str, session_id: str) -> asyncio.Task:
+        """Drop a vocoder session now, not at its idle timeout, from a task the stream does not
+        own (a cancelled stream must not cancel its own cleanup)."""
+        stub = vocoder_pb2_grpc.VocoderStub(self.vocoders.channel(addr))
+
+        async def cancel() -> None:
+            try:
+                await stub.CancelSession(
+                    vocoder_pb2.CancelSessionRequest(request_id=session_id), timeout=1.0
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+                    logger.warning("cancelling vocoder session: %s", exc.details())
+
+        return detach(cancel(), f"cancel-session:{session_id}")
 
     def _timeout_stream(self) -> float | None:
         if self.setup.deadline is None:
@@ -302,7 +396,10 @@ class StreamPipeline:
         n_p = self.setup.voice.num_prompt_tokens
         clock = self.playback or PlaybackClock(DeadlineConfig())
         items = []
-        for seq, chunk in list(self._chunks.items()):
+        for seq, planned in list(self._chunks.items()):
+            if not planned.done():
+                continue  # a vocoder session waits for it; not planned yet
+            chunk = planned.result()
             fut = self._mels.get(seq)
             if fut is None or not fut.done():
                 due = self._due.get(seq)
@@ -321,12 +418,12 @@ class StreamPipeline:
         self._spawn(self._read(requests), "reader")
         self._spawn(self._plan(), "planner")
         self._spawn(self._vocode(), "vocoder")
+        get: asyncio.Future | None = None
         try:
             while True:
                 get = asyncio.ensure_future(self._out.get())
                 await asyncio.wait({get, self._failure}, return_when=asyncio.FIRST_COMPLETED)
                 if self._failure.done():
-                    get.cancel()
                     raise self._failure.exception()
                 item = get.result()
                 if item is None:
@@ -337,9 +434,16 @@ class StreamPipeline:
                     self.playback.sent(msg.num_samples / SAMPLE_RATE)
                 yield msg
         finally:
+            if get is not None:
+                get.cancel()
             await self.close()
 
     async def close(self) -> None:
+        # The cleanup runs in a task of its own: when the client left, this coroutine is being
+        # cancelled, and a second cancellation must not cut the CancelSession short.
+        await asyncio.shield(detach(self._cleanup(), f"close:{self.session_id}"))
+
+    async def _cleanup(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -349,14 +453,7 @@ class StreamPipeline:
             self._failure.exception()  # retrieved: a cancelled client also ends the reader
         if not self._finished and self._vocoder_addr is not None:
             # The client left or something failed: drop the session now, not at its idle timeout.
-            stub = vocoder_pb2_grpc.VocoderStub(self.vocoders.channel(self._vocoder_addr))
-            try:
-                await stub.CancelSession(
-                    vocoder_pb2.CancelSessionRequest(request_id=self.session_id), timeout=1.0
-                )
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND:
-                    logger.warning("cancelling vocoder session: %s", exc.details())
+            await self._cancel_session(self._vocoder_addr, self.session_id)
 
 
 __all__ = ["PipelineLimits", "StreamPipeline", "StreamSetup", "common_pb2"]

@@ -24,6 +24,15 @@ from token2wav.server import channel_options
 logger = logging.getLogger(__name__)
 
 
+# A replica that comes back gets calls within about a second: gRPC's default reconnect backoff
+# grows to 120 s, during which a channel fails fast without even trying the restarted replica.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 def parse_spec(spec: str) -> tuple[list[str], tuple[str, int] | None]:
     """'h1:p1,h2:p2' -> (addresses, None); 'dns:///name:port' -> ([], (name, port))."""
     spec = spec.strip()
@@ -66,11 +75,16 @@ class ReplicaSet:
         refresh_s: float = 5.0,
         max_message_mb: int = 64,
         retire_grace_s: float = 330.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        server_name: str | None = None,
     ):
         self.spec = spec
         self._static, self._dns = parse_spec(spec)
         self.refresh_s = refresh_s
-        self._options = channel_options(max_message_mb)
+        self._options = channel_options(max_message_mb) + RECONNECT_OPTIONS
+        self._credentials = credentials  # None: plaintext
+        if server_name:  # replicas dialled by IP whose certificates carry a name
+            self._options.append(("grpc.ssl_target_name_override", server_name))
         self._addresses: list[str] = list(self._static)
         self._resolved_at = -1e9
         self._channels: dict[str, grpc.aio.Channel] = {}  # address -> channel
@@ -81,6 +95,9 @@ class ReplicaSet:
         self._retiring: dict[asyncio.Task, grpc.aio.Channel] = {}
         self._next = 0
         self._lock = asyncio.Lock()
+        # Replicas that failed their last active health check (gateway/health.py): tried last.
+        self.unhealthy: set[str] = set()
+        self.health_checked = False  # set by gateway/health.py when it checks these replicas
 
     async def addresses(self) -> list[str]:
         if self._dns and time.monotonic() - self._resolved_at > self.refresh_s:
@@ -121,22 +138,45 @@ class ReplicaSet:
     def channel(self, addr: str) -> grpc.aio.Channel:
         ch = self._channels.get(addr)
         if ch is None:
-            ch = self._channels[addr] = grpc.aio.insecure_channel(addr, options=self._options)
+            if self._credentials is not None:
+                ch = grpc.aio.secure_channel(addr, self._credentials, options=self._options)
+            else:
+                ch = grpc.aio.insecure_channel(addr, options=self._options)
+            self._channels[addr] = ch
         return ch
+
+    def eject(self, addr: str) -> None:
+        """A call found `addr` down: try it last until the next health round finds it SERVING
+        (passive outlier ejection; a no-op without health checks, which would never undo it)."""
+        if self.health_checked:
+            self.unhealthy = self.unhealthy | {addr}
 
     async def round_robin(self) -> list[str]:
         """All addresses, starting at the next one in turn (the rest are retry targets)."""
         addrs = await self.addresses()
         start = self._next % len(addrs)
         self._next += 1
-        return addrs[start:] + addrs[:start]
+        return self._healthy_first(addrs[start:] + addrs[:start])
+
+    def _healthy_first(self, order: list[str]) -> list[str]:
+        if not self.unhealthy:
+            return order
+        return [a for a in order if a not in self.unhealthy] + [
+            a for a in order if a in self.unhealthy
+        ]
 
     async def ranked(self, key: str) -> list[str]:
-        """All addresses, `key`'s replica first (the rest are retry targets, in order)."""
-        return rendezvous_order(key, await self.addresses())
+        """All addresses, `key`'s replica first (the rest are retry targets, in order);
+        unhealthy replicas last."""
+        return self._healthy_first(rendezvous_order(key, await self.addresses()))
 
-    async def pick(self, key: str) -> str:
-        return rendezvous(key, await self.addresses())
+    async def pick(self, key: str, exclude: set[str] | frozenset[str] = frozenset()) -> str:
+        """The replica for `key`, skipping `exclude` (replicas that failed it) while another
+        is known; with none left, the same replica again (it may have restarted)."""
+        addrs = await self.addresses()
+        usable = [a for a in addrs if a not in exclude]
+        healthy = [a for a in usable if a not in self.unhealthy]
+        return rendezvous(key, healthy or usable or addrs)
 
     @property
     def num_retiring(self) -> int:

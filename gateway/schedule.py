@@ -28,7 +28,12 @@ class ScheduleConfig:
 
     @classmethod
     def from_proto(cls, msg) -> ScheduleConfig:
-        """Overrides from StreamConfig.schedule; 0 means the default."""
+        """Overrides from StreamConfig.schedule; 0 means the default.
+
+        A client may only choose schedules that keep every chunk boundary on a 50-frame block
+        (exact chunking) and cost at most the default's flow compute: each call re-runs the
+        stream's prefix, so hops smaller than upstream's multiply the work for the same audio
+        (hop 1 on 100 tokens costs 26x)."""
         d = cls()
         cfg = cls(
             msg.first_hop_tokens or d.first_hop_tokens,
@@ -42,7 +47,43 @@ class ScheduleConfig:
             raise InvalidArgument("config.schedule.max_hop_tokens", "want 1..1000")
         if not 1 <= cfg.hop_scale <= 8:
             raise InvalidArgument("config.schedule.hop_scale", "want 1..8")
+        if not cfg.prompt_pad:
+            raise InvalidArgument(
+                "config.schedule.disable_prompt_pad",
+                "would move chunk boundaries off 50-frame blocks",
+            )
+        for name in ("first_hop_tokens", "max_hop_tokens"):
+            if getattr(cfg, name) % BLOCK_TOKENS:
+                raise InvalidArgument(
+                    f"config.schedule.{name}",
+                    f"want a multiple of {BLOCK_TOKENS} (a 50-frame block)",
+                )
+        field = cfg.first_smaller_hop(d)
+        if field is not None:
+            raise InvalidArgument(
+                f"config.schedule.{field}",
+                "gives smaller hops than the default schedule (25, 50, 100, 100, ...), which "
+                "costs more flow compute for the same audio",
+            )
         return cfg
+
+    def hops(self, n: int) -> list[int]:
+        """The first `n` hop sizes (before the prompt pad)."""
+        out, hop = [], self.first_hop_tokens
+        for _ in range(n):
+            out.append(hop)
+            hop = min(self.max_hop_tokens, hop * self.hop_scale)
+        return out
+
+    def first_smaller_hop(self, other: ScheduleConfig) -> str | None:
+        """The field that makes some hop of this schedule smaller than `other`'s, or None.
+        Hops settle at the max hop within log2(1000) steps, so 12 steps decide it."""
+        for k, (mine, theirs) in enumerate(zip(self.hops(12), other.hops(12))):
+            if mine < theirs:
+                if k == 0:
+                    return "first_hop_tokens"
+                return "max_hop_tokens" if mine == self.max_hop_tokens else "hop_scale"
+        return None
 
     def is_exact(self) -> bool:
         """Whether chunk boundaries stay on 50-frame blocks (the upstream guarantee)."""

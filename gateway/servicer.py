@@ -3,54 +3,86 @@
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from collections import OrderedDict
 
 from gateway import metrics
 from gateway.admission import AdmissionConfig, AdmissionController
+from gateway.callers import ClientStreams, client_of
 from gateway.downstream import FlowClient
+from gateway.inbound import Inbound, InboundLimits
 from gateway.pipeline import PipelineLimits, StreamPipeline, StreamSetup
 from gateway.routing import ReplicaSet
 from gateway.schedule import ScheduleConfig
 from gateway.voices import VoiceMaker, voice_from_request
-from token2wav.errors import InvalidArgument, NotFound, ResourceExhausted
+from token2wav.errors import (
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    announce_status,
+    check_request_id,
+)
 from token2wav.server import request_id_var
 from token2wav.tensors import VoiceData, decode_voice, encode
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-
 
 class VoiceRegistry:
-    """Registered voices by content-addressed id (LRU, bounded)."""
+    """Registered voices by content-addressed id (LRU, bounded), each owned by the clients that
+    registered it: only they may use or delete it (others get NOT_FOUND, as for an unknown id),
+    and a client past its own quota evicts its own oldest voice, never another client's."""
 
-    def __init__(self, max_voices: int = 1024):
+    def __init__(self, max_voices: int = 1024, max_per_client: int = 0):
         self.max_voices = max_voices
+        self.max_per_client = max_per_client  # 0: only the global bound
         self._voices: OrderedDict[str, VoiceData] = OrderedDict()  # voice_id -> voice
+        self._owners: dict[str, set[str]] = {}  # voice_id -> clients that registered it
+        self._owned: dict[str, OrderedDict[str, None]] = {}  # client -> its voice ids (LRU)
 
-    def register(self, voice: VoiceData) -> tuple[str, bool]:
+    def register(self, voice: VoiceData, client: str = "") -> tuple[str, bool]:
         vid = voice.voice_id
-        created = vid not in self._voices
+        owned = self._owned.setdefault(client, OrderedDict())
+        created = vid not in owned
         self._voices[vid] = voice
         self._voices.move_to_end(vid)
+        self._owners.setdefault(vid, set()).add(client)
+        owned[vid] = None
+        owned.move_to_end(vid)
+        while self.max_per_client and len(owned) > self.max_per_client:
+            self._disown(next(iter(owned)), client)
         while len(self._voices) > self.max_voices:
-            self._voices.popitem(last=False)
+            old = next(iter(self._voices))
+            for owner in list(self._owners.get(old, ())):
+                self._disown(old, owner)
         return vid, created
 
-    def get(self, voice_id: str) -> VoiceData:
-        voice = self._voices.get(voice_id)
-        if voice is None:
-            raise NotFound(f"voice_id {voice_id!r} is not registered")
-        self._voices.move_to_end(voice_id)
-        return voice
+    def _check(self, voice_id: str, client: str) -> None:
+        if client not in self._owners.get(voice_id, ()):
+            raise NotFound(f"voice_id {voice_id!r} is not registered (by this client)")
 
-    def delete(self, voice_id: str) -> None:
-        if self._voices.pop(voice_id, None) is None:
-            raise NotFound(f"voice_id {voice_id!r} is not registered")
+    def get(self, voice_id: str, client: str = "") -> VoiceData:
+        self._check(voice_id, client)
+        self._voices.move_to_end(voice_id)
+        self._owned[client].move_to_end(voice_id)
+        return self._voices[voice_id]
+
+    def delete(self, voice_id: str, client: str = "") -> None:
+        self._check(voice_id, client)
+        self._disown(voice_id, client)
+
+    def _disown(self, voice_id: str, client: str) -> None:
+        owned = self._owned.get(client, {})
+        owned.pop(voice_id, None)
+        if not owned:
+            self._owned.pop(client, None)
+        owners = self._owners.get(voice_id, set())
+        owners.discard(client)
+        if not owners:
+            self._owners.pop(voice_id, None)
+            self._voices.pop(voice_id, None)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -63,6 +95,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         max_streams: int,
         voice_maker: VoiceMaker | None = None,
         admission: AdmissionConfig = AdmissionConfig(),
+        inbound: InboundLimits | None = None,
+        per_client: ClientStreams | None = None,
     ):
         self.voice_maker = voice_maker  # None: started without --frontend-dir
         self.flow = flow
@@ -70,21 +104,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.voices = voices
         self.limits = limits
         self.max_streams = max_streams
+        self.inbound = inbound or InboundLimits()
+        self.per_client = per_client or ClientStreams()
         self.num_streams = 0
         self.admission = AdmissionController(admission, flow.board)
 
-    def _setup(self, msg, context) -> StreamSetup:
+    def _setup(self, msg, context, client: str) -> StreamSetup:
         if msg.WhichOneof("message") != "config":
             raise InvalidArgument("config", "the first message must be a StreamConfig")
         cfg = msg.config
-        request_id = cfg.request_id or uuid.uuid4().hex
-        if not REQUEST_ID.match(request_id):
-            raise InvalidArgument("config.request_id", "want 1..128 characters of [A-Za-z0-9._:-]")
+        request_id = check_request_id(cfg.request_id or uuid.uuid4().hex, "config.request_id")
         which = cfg.WhichOneof("voice")
         if which == "inline_voice":
             voice = decode_voice(cfg.inline_voice, "config.inline_voice")
         elif which == "voice_id":
-            voice = self.voices.get(cfg.voice_id)
+            voice = self.voices.get(cfg.voice_id, client)
         else:
             raise InvalidArgument("config.voice", "set inline_voice or voice_id")
         fmt = cfg.audio_format or gateway_pb2.AUDIO_FORMAT_PCM16
@@ -96,22 +130,45 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return StreamSetup(request_id, voice, fmt, schedule, deadline)
 
     async def Synthesize(self, request_iterator, context):
+        inbound = Inbound(request_iterator, self.inbound)
+        sent = False
         try:
-            first = await request_iterator.__anext__()
+            async for msg in self._synthesize(inbound, context):
+                sent = True
+                yield msg
+        except Exception as exc:
+            # Ending the call while the client still writes lets grpc.aio replace our status
+            # with INTERNAL on its side: say the status in the headers, let it finish writing.
+            if not sent:
+                await announce_status(context, exc)
+            await inbound.drain()
+            raise
+        finally:
+            await inbound.close()
+
+    async def _synthesize(self, inbound: Inbound, context):
+        try:
+            first = await inbound.__anext__()
         except StopAsyncIteration:
             raise InvalidArgument("config", "empty stream: send a StreamConfig first") from None
-        setup = self._setup(first, context)
+        client = client_of(context)
+        setup = self._setup(first, context, client)
         request_id_var.set(setup.request_id)
         if self.num_streams >= self.max_streams:
             raise ResourceExhausted(f"gateway at its limit of {self.max_streams} streams")
-        pipeline = StreamPipeline(setup, self.flow, self.vocoders, self.limits)
-        await self.admission.admit(pipeline)  # RESOURCE_EXHAUSTED when it would make streams late
+        self.per_client.acquire(client)
+        try:
+            pipeline = StreamPipeline(setup, self.flow, self.vocoders, self.limits)
+            await self.admission.admit(pipeline)  # RESOURCE_EXHAUSTED: it would make streams late
+        except BaseException:
+            self.per_client.release(client)
+            raise
         self.num_streams += 1
         metrics.ACTIVE_STREAMS.set(self.num_streams)
         started = time.monotonic()
         try:
             first_chunk = True
-            async for msg in pipeline.run(request_iterator):
+            async for msg in pipeline.run(inbound):
                 if first_chunk:
                     metrics.FIRST_CHUNK.observe(msg.timing.gateway_ms / 1e3)
                     first_chunk = False
@@ -124,12 +181,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         finally:
             await self.admission.release(pipeline)
             self.num_streams -= 1
+            self.per_client.release(client)
             metrics.ACTIVE_STREAMS.set(self.num_streams)
             metrics.STREAM_SECONDS.observe(time.monotonic() - started)
 
     async def RegisterVoice(self, request, context):
         voice, from_audio = await voice_from_request(request, self.voice_maker)
-        voice_id, created = self.voices.register(voice)
+        voice_id, created = self.voices.register(voice, client_of(context))
         return gateway_pb2.RegisterVoiceResponse(
             voice_id=voice_id,
             created=created,
@@ -138,5 +196,5 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
 
     async def DeleteVoice(self, request, context):
-        self.voices.delete(request.voice_id)
+        self.voices.delete(request.voice_id, client_of(context))
         return gateway_pb2.DeleteVoiceResponse()

@@ -386,5 +386,5 @@ def test_vocoder_dtype_overrides_only_the_vocoder(tmp_path):
 def test_flow_service_bench_builds_the_model_the_flow_args_ask_for():
     from bench.flow_service_bench import fp32_parts, parse_args
 
-    assert fp32_parts(parse_args([])) is True  # the service's default
-    assert fp32_parts(parse_args(["--flow-arg=--bf16-fp32-parts=false"])) is False
+    assert fp32_parts(parse_args([])) is False  # the service's default
+    assert fp32_parts(parse_args(["--flow-arg=--bf16-fp32-parts=true"])) is True

@@ -255,7 +255,7 @@ async def test_vocoder_session_lost_mid_stream_is_aborted(models):
     def delay(request):
         return 0.0 if request.token_offset == 0 else 0.5
 
-    stack = await start_stack(models, flow_delay=delay)
+    stack = await start_stack(models, "--vocoder-failovers", "0", flow_delay=delay)
     try:
         voice, tokens = stream_inputs(7, 25, 200)
         async with AsyncClient(stack.target) as client:

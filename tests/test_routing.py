@@ -160,6 +160,20 @@ class _Voice:
     num_prompt_tokens = 75
 
 
+async def test_ejected_replica_is_tried_last_until_checked():
+    rs = ReplicaSet("a:1,b:2,c:3")
+    rs.eject("a:1")
+    assert "a:1" not in rs.unhealthy  # no health checks: nothing would ever undo it
+    rs.health_checked = True
+    rs.eject("a:1")
+    for _ in range(3):
+        assert (await rs.round_robin())[-1] == "a:1"
+    assert await rs.pick("any-key", exclude={"b:2", "c:3"}) == "a:1"  # the only one left
+    rs.unhealthy = set()  # a health round found it SERVING
+    assert {(await rs.round_robin())[0] for _ in range(3)} == {"a:1", "b:2", "c:3"}
+    await rs.close()
+
+
 class _FakeFlow:
     """A Flow servicer that records which stream called it; `down` answers UNAVAILABLE."""
 

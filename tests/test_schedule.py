@@ -61,13 +61,37 @@ def test_short_stream_is_one_final_call_and_empty_stream_is_none():
 
 
 def test_overrides_and_their_validation():
-    cfg = ScheduleConfig.from_proto(
-        gateway_pb2.ChunkSchedule(first_hop_tokens=10, disable_prompt_pad=True)
-    )
-    assert cfg.first_hop_tokens == 10 and not cfg.prompt_pad and not cfg.is_exact()
-    assert ScheduleConfig().is_exact()
+    cfg = ScheduleConfig(first_hop_tokens=10, prompt_pad=False)  # internal use may go off-grid
+    assert not cfg.is_exact() and ScheduleConfig().is_exact()
     p = ChunkPlanner(75, cfg)
     assert [c.num_tokens for c in drain(p, 100, False)] == [13, 33, 73]
     with pytest.raises(InvalidArgument) as info:
         ScheduleConfig.from_proto(gateway_pb2.ChunkSchedule(hop_scale=9))
     assert info.value.field == "config.schedule.hop_scale"
+
+
+@pytest.mark.parametrize(
+    "fields, bad",
+    [
+        (dict(first_hop_tokens=10), "first_hop_tokens"),  # off the 50-frame grid
+        (dict(max_hop_tokens=110), "max_hop_tokens"),
+        (dict(disable_prompt_pad=True), "disable_prompt_pad"),
+        (dict(max_hop_tokens=50), "max_hop_tokens"),  # 25, 50, 50, ... < 25, 50, 100
+        (dict(hop_scale=1), "hop_scale"),  # 25, 25, ... < 25, 50
+        (dict(first_hop_tokens=50, hop_scale=1), "hop_scale"),  # 50, 50, 50 < 100 at step 2
+    ],
+)
+def test_client_schedules_keep_blocks_and_cost(fields, bad):
+    with pytest.raises(InvalidArgument) as info:
+        ScheduleConfig.from_proto(gateway_pb2.ChunkSchedule(**fields))
+    assert info.value.field == f"config.schedule.{bad}"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [dict(), dict(first_hop_tokens=50), dict(max_hop_tokens=200, hop_scale=4), dict(hop_scale=8)],
+)
+def test_client_schedules_that_cost_no_more_are_accepted(fields):
+    cfg = ScheduleConfig.from_proto(gateway_pb2.ChunkSchedule(**fields))
+    assert cfg.is_exact()
+    assert cfg.first_smaller_hop(ScheduleConfig()) is None

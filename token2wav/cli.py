@@ -56,7 +56,9 @@ class EnvParser(argparse.ArgumentParser):
         return self.add_argument(name, type=conv, default=default, help=f"{help} [env {env}]", **kw)
 
 
-def add_server_flags(parser: EnvParser, *, port: int, metrics_port: int) -> None:
+def add_server_flags(
+    parser: EnvParser, *, port: int, metrics_port: int, max_message_mb: int = 64
+) -> None:
     """Flags every service shares (transport, metrics, lifecycle, logging)."""
     parser.flag(
         "--host", default="127.0.0.1", help="address to bind; 0.0.0.0 or [::] in containers"
@@ -81,7 +83,27 @@ def add_server_flags(parser: EnvParser, *, port: int, metrics_port: int) -> None
         help="seconds to keep serving with health NOT_SERVING after SIGTERM, so load "
         "balancers stop routing here before the listener closes",
     )
-    parser.flag("--max-message-mb", type=int, default=64, help="largest gRPC message, MiB")
+    parser.flag(
+        "--max-message-mb",
+        type=int,
+        default=max_message_mb,
+        help="largest gRPC message, MiB, each way; the default fits this service's largest "
+        "legal message with room to spare, so no message can balloon memory",
+    )
+    parser.flag("--tls-cert", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
+    parser.flag(
+        "--tls-key", help="PEM private key of --tls-cert; both files are re-read when they change"
+    )
+    parser.flag(
+        "--tls-client-ca",
+        help="PEM CA: demand a client certificate signed by it (mutual TLS)",
+    )
+    parser.flag(
+        "--reflection",
+        type=bool,
+        default=True,
+        help="serve gRPC reflection (grpcurl can list the API); turn off in production",
+    )
     parser.flag("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)")
 
 

@@ -24,7 +24,8 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram, start_http_server
 
-from token2wav.errors import StartupError, status_for
+from token2wav.errors import BadMessage, StartupError, status_for
+from token2wav.security import server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,17 @@ class ServerOptions:
     grace_period: float = 30.0  # s for in-flight calls after SIGTERM
     drain_delay: float = 0.0  # s of NOT_SERVING before the listener closes
     max_message_mb: int = 64
+    tls_cert: str | None = None  # PEM files; both set: TLS on the gRPC listener
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # set: mutual TLS, clients need a cert signed by this CA
+    reflection: bool = True
+    interceptors: tuple = ()  # e.g. authentication; they run inside the error mapping
+
+    def __post_init__(self):
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
 
     @classmethod
     def from_args(cls, args) -> ServerOptions:
@@ -61,6 +73,10 @@ class ServerOptions:
             args.grace_period,
             args.drain_delay,
             args.max_message_mb,
+            getattr(args, "tls_cert", None),
+            getattr(args, "tls_key", None),
+            getattr(args, "tls_client_ca", None),
+            getattr(args, "reflection", True),
         )
 
 
@@ -120,8 +136,45 @@ async def _fail(context: grpc.aio.ServicerContext, method: str, exc: Exception):
     if mapped is None:
         logger.exception("internal error in %s", method)
         mapped = (grpc.StatusCode.INTERNAL, "internal error (logged on the server)")
+    elif isinstance(exc, BadMessage):
+        logger.warning("%s from %s: %s", method, context.peer(), exc.message)  # one line
     RPC_CALLS.labels(method, mapped[0].name).inc()
     await context.abort(mapped[0], mapped[1])
+
+
+class _Undecodable:
+    """What a request deserializer returns for bytes that do not parse; the handler wrapper
+    turns it into INVALID_ARGUMENT (grpc itself would log a traceback and answer INTERNAL or
+    UNKNOWN)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _tolerant(deserializer):
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError and whatever a parser raises
+            return _Undecodable(exc)
+
+    return parse
+
+
+def _checked(request, method: str):
+    if isinstance(request, _Undecodable):
+        raise BadMessage(method, request.error)
+    return request
+
+
+async def _checked_stream(requests, method: str):
+    async for request in requests:
+        yield _checked(request, method)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -133,10 +186,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return handler
         method = details.method
 
-        def wrap_unary(behavior):
+        def wrap_unary(behavior, streaming_request: bool):
             async def call(request, context):
                 start = time.perf_counter()
                 try:
+                    if streaming_request:
+                        request = _checked_stream(request, method)
+                    else:
+                        request = _checked(request, method)
                     result = await behavior(request, context)
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
@@ -148,10 +205,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return call
 
-        def wrap_stream(behavior):
+        def wrap_stream(behavior, streaming_request: bool):
             async def call(request, context):
                 start = time.perf_counter()
                 try:
+                    if streaming_request:
+                        request = _checked_stream(request, method)
+                    else:
+                        request = _checked(request, method)
                     async for item in behavior(request, context):
                         yield item
                 except (grpc.aio.AbortError, asyncio.CancelledError):
@@ -164,16 +225,20 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return call
 
         kw = dict(
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_tolerant(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), **kw)
+            return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary, False), **kw)
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), **kw)
+            return grpc.stream_unary_rpc_method_handler(
+                wrap_unary(handler.stream_unary, True), **kw
+            )
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), **kw)
-        return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), **kw)
+            return grpc.unary_stream_rpc_method_handler(
+                wrap_stream(handler.unary_stream, False), **kw
+            )
+        return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream, True), **kw)
 
 
 class GrpcServer:
@@ -202,26 +267,32 @@ class GrpcServer:
     async def start(self) -> int:
         opts = self.options
         self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor()],
+            interceptors=[ErrorInterceptor(), *opts.interceptors],
             # No SO_REUSEPORT: with it a second server binds a taken port silently and the
             # two split the connections; without it a taken port fails here, at start.
             options=[*channel_options(opts.max_message_mb), ("grpc.so_reuseport", 0)],
         )
         self._register(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [
-                *self.service_names,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ],
-            self.server,
-        )
+        if opts.reflection:
+            reflection.enable_server_reflection(
+                [
+                    *self.service_names,
+                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                    reflection.SERVICE_NAME,
+                ],
+                self.server,
+            )
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        address = f"{opts.host}:{opts.port}"
         problem = bind_problem(opts.host, opts.port) if opts.port else None
         if problem is None:
             try:
-                self.port = self.server.add_insecure_port(f"{opts.host}:{opts.port}")
+                if opts.tls_cert:
+                    creds = server_credentials(opts.tls_cert, opts.tls_key, opts.tls_client_ca)
+                    self.port = self.server.add_secure_port(address, creds)
+                else:
+                    self.port = self.server.add_insecure_port(address)
             except RuntimeError:  # grpc says only "Failed to bind"
                 self.port = 0
         if self.port == 0:
@@ -240,7 +311,11 @@ class GrpcServer:
                 ) from None
             self.metrics_port = self._metrics_httpd.server_port
         logger.info(
-            "listening on %s:%d (metrics %s)", opts.host, self.port, self.metrics_port or "off"
+            "listening on %s:%d (%s; metrics %s)",
+            opts.host,
+            self.port,
+            ("mutual TLS" if opts.tls_client_ca else "TLS") if opts.tls_cert else "plaintext",
+            self.metrics_port or "off",
         )
         return self.port
 

@@ -4,9 +4,11 @@ session per stream, batched across sessions. Every flag mirrors a VOCODER_* env 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 
 from token2wav.cli import EnvParser, add_server_flags, check_device, check_ports, run_main
+from token2wav.security import PeerCertAuth
 from token2wav.server import ServerOptions, setup_logging
 from vocoder_service.config import (
     BatcherConfig,
@@ -19,7 +21,8 @@ from vocoder_service.server import VocoderServer, VocoderService
 
 def build_parser() -> EnvParser:
     p = EnvParser("VOCODER", prog="python -m vocoder_service", description=__doc__)
-    add_server_flags(p, port=50053, metrics_port=9103)
+    # largest legal message: the audio of a 300 s non-streaming chunk (28.8 MB of float32)
+    add_server_flags(p, port=50053, metrics_port=9103, max_message_mb=32)
     s, b = SessionConfig(), BatcherConfig()
     p.flag("--model-dir", default=None, help="directory with the official hift.pt; unset: random")
     p.flag(
@@ -51,7 +54,28 @@ def build_parser() -> EnvParser:
         help="sessions per HiFT step; 1 turns batching across sessions off",
     )
     p.flag("--max-wait-ms", type=float, default=b.max_wait_ms, help="wait for a fuller step")
+    p.flag(
+        "--control-clients",
+        default="",
+        help="comma-separated names (certificate CN or DNS SAN): only peers with a verified "
+        "client certificate naming one may call CancelSession, ExportSession, ImportSession "
+        "(needs --tls-client-ca); unset: anyone who can connect",
+    )
     return p
+
+
+CONTROL_METHODS = ("CancelSession", "ExportSession", "ImportSession")
+
+
+def server_options(args) -> ServerOptions:
+    """The listener's options, with the control-call check when --control-clients is set."""
+    options = ServerOptions.from_args(args)
+    names = [n.strip() for n in args.control_clients.split(",") if n.strip()]
+    if not names:
+        return options
+    if not options.tls_client_ca:
+        raise ValueError("--control-clients needs mutual TLS (--tls-client-ca)")
+    return dataclasses.replace(options, interceptors=(PeerCertAuth(CONTROL_METHODS, names),))
 
 
 def config_from_args(args) -> VocoderServiceConfig:
@@ -79,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level, "vocoder")
     try:
         config = config_from_args(args)
+        options = server_options(args)
     except ValueError as exc:
         parser.error(str(exc))
 
     async def run() -> None:
-        server = VocoderServer(ServerOptions.from_args(args), VocoderService(config))
+        server = VocoderServer(options, VocoderService(config))
         await server.run(server.warmup)
 
     def body() -> None:

@@ -9,30 +9,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from token2wav.errors import InvalidArgument
+from token2wav.errors import check_request_id  # noqa: F401 - re-exported to the servicer
 
 if TYPE_CHECKING:
     from vocoder_service.sessions import Session
-
-REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-
-
-def check_request_id(request_id: str, field: str = "request_id") -> str:
-    if not request_id:
-        raise InvalidArgument(field, "empty; every chunk must name its session")
-    if not REQUEST_ID_RE.fullmatch(request_id):
-        shown = request_id if len(request_id) <= 40 else request_id[:40] + "..."
-        raise InvalidArgument(
-            field, f"{shown!r} is not 1..128 characters of [A-Za-z0-9._:-] ({len(request_id)})"
-        )
-    return request_id
 
 
 def chunk_digest(mel: np.ndarray, finalize: bool) -> bytes:
