@@ -164,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--growth", type=float, default=1.5, help="rate factor per step up")
     ca.add_argument("--refine", type=int, default=2, help="bisections after the first failure")
     ca.add_argument("--on-time-share", type=float, default=0.99)
+    ca.add_argument(
+        "--floor-streams",
+        type=int,
+        default=3,
+        help="per paced search, streams run one at a time first: the median latency of each "
+        "chunk through the idle stack is its compute floor in the on-time test (0: none)",
+    )
     ca.add_argument("--first-chunk-p95-ms", type=float, default=250.0)
     ca.add_argument(
         "--closed-concurrency", type=int, default=64, help="closed-loop streams first; 0: none"

@@ -4,7 +4,11 @@ Definitions (docs/BENCHMARKS.md, "Real-time capacity"):
   on time             a stream that completed and whose playback, started when its first chunk
                       arrived, needed at most STACK_TOLERANCE_S (20 ms) of buffer beyond what its
                       token input forces (bench.metrics: excess buffer, the "added by stack"
-                      figure). A refused or failed stream is not on time.
+                      figure). A refused or failed stream is not on time. With tokens at a pace
+                      the input-forced schedule includes each chunk's compute floor (its
+                      latency through the idle stack, measured first by --floor-streams
+                      streams alone, median per chunk): chunk k cannot come out sooner than
+                      that after its tokens on any stack (bench.metrics.excess_buffer_ms).
   real-time capacity  the highest Poisson arrival rate (streams/s; x utterance seconds = audio
                       s/s) at which >= 99 % of the streams are on time and the first-chunk p95
                       is <= 250 ms. Found by stepping the rate up geometrically from
@@ -35,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.metrics import STACK_TOLERANCE_S, percentiles
+from bench.metrics import STACK_TOLERANCE_S, excess_buffer_ms, percentiles
 from bench.report import environment, run_name
 from bench.stack import Stack, StackConfig, free_port
 from bench.sweep import RunSpec, Sweep, SweepConfig, Target, one_line
@@ -50,15 +54,33 @@ class Criteria:
     first_chunk_p95_ms: float = 250.0
 
 
-def on_time_figures(run: dict, utterance_s: float) -> dict:
-    """The capacity figures of one run (its per-stream lines and metrics)."""
+def _excess_ms(stream: dict, floors_ms: list[float] | None) -> float:
+    if floors_ms is None or "chunk_latency_ms" not in stream:
+        return stream.get("excess_buffer_ms", math.inf)
+    return excess_buffer_ms(
+        stream["chunk_arrivals_ms"], stream["chunk_latency_ms"], stream["chunk_samples"], floors_ms
+    )
+
+
+def compute_floors(run: dict) -> list[float] | None:
+    """Per chunk seq, the median tokens-in -> audio-out latency (ms) of a run's completed
+    streams: with streams run one at a time, what the idle stack needs for each chunk."""
+    lines = [s["chunk_latency_ms"] for s in run["streams"] if s.get("chunk_latency_ms")]
+    if not lines:
+        return None
+    n = max(map(len, lines))
+    return [float(percentiles([x[k] for x in lines if len(x) > k])["p50"]) for k in range(n)]
+
+
+def on_time_figures(run: dict, utterance_s: float, floors_ms: list[float] | None = None) -> dict:
+    """The capacity figures of one run (its per-stream lines and metrics); `floors_ms`: the
+    per-chunk compute floors of the input-forced schedule (None: zero compute)."""
     streams = run["streams"]
     refused = [s for s in streams if s["status"] == REFUSED]
     admitted = [s for s in streams if s["status"] != REFUSED]
     tol_ms = STACK_TOLERANCE_S * 1e3
-    on_time = [
-        s for s in admitted if s["status"] == "OK" and s.get("excess_buffer_ms", math.inf) <= tol_ms
-    ]
+    excess = {id(s): _excess_ms(s, floors_ms) for s in admitted if s["status"] == "OK"}
+    on_time = [s for s in admitted if s["status"] == "OK" and excess[id(s)] <= tol_ms]
     n = len(streams)
     m = run["metrics"]
     e2e = m.get("e2e_ms") or {}
@@ -76,7 +98,15 @@ def on_time_figures(run: dict, utterance_s: float) -> dict:
         "admitted_on_time_share": len(on_time) / len(admitted) if admitted else None,
         "first_chunk_p95_ms": fc.get("p95"),
         "first_chunk_p50_ms": fc.get("p50"),
-        "excess_buffer_p99_ms": ((m["underruns"].get("excess_buffer_ms") or {}).get("p99")),
+        "excess_buffer_p99_ms": (
+            (m["underruns"].get("excess_buffer_ms") or {}).get("p99")
+            if floors_ms is None
+            else (percentiles(list(excess.values())) or {}).get("p99")
+        ),
+        "excess_buffer_p99_ms_no_floors": (m["underruns"].get("excess_buffer_ms") or {}).get("p99"),
+        "on_time_no_floors": sum(
+            s["status"] == "OK" and s.get("excess_buffer_ms", math.inf) <= tol_ms for s in admitted
+        ),
         "refusal_ms": percentiles([s["closed_ms"] for s in refused if "closed_ms" in s]),
         "concurrent_streams": rate * e2e["mean"] / 1e3 if rate and e2e.get("mean") else None,
         "xrt": m.get("xrt"),
@@ -240,6 +270,22 @@ def render(result: dict) -> str:
                 else "not found (no probed rate passed)**"
             ),
             "",
+        ]
+        floors = search_result.get("compute_floors_ms")
+        if floors:
+            lines += [
+                "Compute floors (each chunk's latency through the idle stack, median of streams "
+                "run alone; part of the input-forced schedule): "
+                + ", ".join(f"{v:.0f}" for v in floors)
+                + " ms. On time without them (zero compute, the first pass's definition): "
+                + ", ".join(
+                    f"{f.get('on_time_no_floors', '?')}/{f['streams']}"
+                    for f in search_result["probes"]
+                )
+                + ".",
+                "",
+            ]
+        lines += [
             "| rate /s | audio s/s offered | on time | first chunk p50 / p95 ms | excess p99 ms "
             "| xRT | concurrent | pass |",
             "|---|---|---|---|---|---|---|---|",
@@ -475,13 +521,6 @@ def run(a, argv: list[str]) -> dict:
             # the overload run (after the searches) keeps its time
             reserve = a.overload_duration + utt_s + 15.0 if a.overload_duration > 0 else 0.0
 
-            def probe(rate: float, pace=pace) -> dict:
-                nonlocal warm
-                window = max(a.duration, a.min_streams / rate)  # enough arrivals to judge
-                r = one(RunSpec("open", "on", rate, pace, duration_s=window), warm)
-                warm = False
-                return on_time_figures(r, utt_s)
-
             def can_probe(pace=pace, probe_s=probe_s, reserve=reserve) -> bool:
                 if left() >= probe_s + reserve:
                     return True
@@ -489,6 +528,21 @@ def run(a, argv: list[str]) -> dict:
                 if why not in result["skipped"]:
                     result["skipped"].append(why)
                 return False
+
+            floors = None
+            if pace > 0 and a.floor_streams > 0 and left() >= probe_s + reserve:
+                # each chunk's latency through the otherwise idle stack, streams one at a time
+                spec = RunSpec("closed", "on", 1, pace, utterances_per_stream=a.floor_streams)
+                floors = compute_floors(one(spec, warm))
+                warm = False
+                log(f"compute floors {pace_key(pace)}: {floors} ms")
+
+            def probe(rate: float, pace=pace, floors=floors) -> dict:
+                nonlocal warm
+                window = max(a.duration, a.min_streams / rate)  # enough arrivals to judge
+                r = one(RunSpec("open", "on", rate, pace, duration_s=window), warm)
+                warm = False
+                return on_time_figures(r, utt_s, floors)
 
             start = a.start_rate
             cap, probes = search(probe, criteria, start, a.max_rate, a.growth, a.refine, can_probe)
@@ -498,6 +552,7 @@ def run(a, argv: list[str]) -> dict:
                 "capacity_rate": cap,
                 "capacity_audio_s_per_s": cap * utt_s if cap else None,
                 "capacity_concurrent": conc,
+                "compute_floors_ms": floors,
                 "probes": probes,
             }
             save()

@@ -139,6 +139,31 @@ def simulate_playback(rec: StreamRecord) -> Playback:
     )
 
 
+def excess_buffer_ms(
+    arrivals_ms: list[float],
+    latency_ms: list[float],
+    samples: list[int],
+    floors_ms: list[float] | None = None,
+) -> float:
+    """A stream's excess buffer (ms) from its per-chunk line (`stream_summary`), allowing each
+    chunk k the compute an idle stack needs for it: `floors_ms[k]`, its tokens-in -> audio-out
+    latency with the stack otherwise idle (bench capacity measures it per token pace). The
+    input-forced schedule is then "chunk k out floors[k] after its tokens", not "at once":
+    where the token input leaves no slack (50 tokens/s: chunk k+1's tokens complete exactly
+    when chunk k's audio runs out), chunk k+1 arrives floors[k+1] - floors[0] later than the
+    player needs it on any stack, and that stall is not the stack's to answer for. Without
+    floors: exactly `simulate_playback`'s figure."""
+    if not arrivals_ms:
+        return 0.0
+    floors = list(floors_ms or [])
+    floors += [floors[-1] if floors else 0.0] * (len(arrivals_ms) - len(floors))
+    offsets = np.concatenate([[0.0], np.cumsum(samples[:-1])]) / SAMPLE_RATE * 1e3
+    ready = [a - lat + f for a, lat, f in zip(arrivals_ms, latency_ms, floors)]
+    buffer = max(0.0, max(a - arrivals_ms[0] - o for a, o in zip(arrivals_ms, offsets)))
+    forced = max(0.0, max(r - ready[0] - o for r, o in zip(ready, offsets)))
+    return max(0.0, buffer - forced)
+
+
 def percentiles(values) -> dict | None:
     """p50/p95/p99/mean/max/n; linear interpolation keeps p50 <= p95 <= p99 <= max."""
     arr = np.asarray(values, np.float64)
@@ -254,6 +279,11 @@ def stream_summary(rec: StreamRecord, t0: float) -> dict:
         out["e2e_ms"] = (rec.arrivals[-1] - rec.opened) * 1e3
         out["start_s"] = rec.opened - t0  # from the start of the run's window
         out["chunk_arrivals_ms"] = [round((a - rec.opened) * 1e3, 3) for a in rec.arrivals]
+        # tokens in -> audio out per chunk (arrivals minus this give when each chunk's tokens
+        # were all sent; bench capacity recomputes the excess with compute floors from these)
+        out["chunk_latency_ms"] = [
+            round((a - rec.ready_at(seq)) * 1e3, 3) for seq, a in zip(rec.seqs, rec.arrivals)
+        ]
         out["chunk_samples"] = list(rec.num_samples)
         pb = simulate_playback(rec)
         out["underruns"] = pb.underruns

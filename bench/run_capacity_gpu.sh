@@ -62,7 +62,9 @@ common=(--device "$DEVICE" --preset "$PRESET" --utterance-tokens "$UTT_TOKENS"
   --drain-timeout 20 --startup-timeout 240 --quiet)
 
 # bf16 gets ~72 % of the time (its budget includes starting the stack); fp32 the rest.
+# SKIP_FP32=1: bf16 only, with all of the time.
 bf16_budget=$(( $(left) * 72 / 100 ))
+[ -n "${SKIP_FP32:-}" ] && bf16_budget=$(( $(left) - 15 ))
 echo "== bf16 capacity (budget ${bf16_budget} s, $(left) s left in all)"
 $PY -m bench capacity "${common[@]}" --dtype bfloat16 --paces 0,50 \
   --closed-concurrency "$CLOSED" --start-rate "$START_RATE" --growth 1.4 --refine 2 \
@@ -71,7 +73,9 @@ $PY -m bench capacity "${common[@]}" --dtype bfloat16 --paces 0,50 \
 echo "bf16 exit $? after $((SECONDS - START)) s"
 
 fp32_budget=$(( $(left) - 15 ))
-if [ "$fp32_budget" -gt 60 ]; then
+if [ -n "${SKIP_FP32:-}" ]; then
+  echo "== fp32 skipped (SKIP_FP32)"
+elif [ "$fp32_budget" -gt 60 ]; then
   echo "== fp32 capacity (budget ${fp32_budget} s)"
   $PY -m bench capacity "${common[@]}" --dtype float32 --paces 0 --closed-concurrency 0 \
     --start-rate "$FP32_START_RATE" --growth 1.5 --refine 1 --overload-duration 0 \
