@@ -279,8 +279,8 @@ def render(result: dict) -> str:
                 + ", ".join(f"{v:.0f}" for v in floors)
                 + " ms. On time without them (zero compute, the first pass's definition): "
                 + ", ".join(
-                    f"{f.get('on_time_no_floors', '?')}/{f['streams']}"
-                    for f in search_result["probes"]
+                    f"{f['rate']:.2f}/s {f.get('on_time_no_floors', '?')}/{f['streams']}"
+                    for f in sorted(search_result["probes"], key=lambda f: f["rate"])
                 )
                 + ".",
                 "",
