@@ -193,7 +193,9 @@ class FlowEngine:
             if earlier:
                 left = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
                 try:
-                    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in earlier)), left)
+                    # One coroutine, not gather(): a gather whose children are cancelled under a
+                    # cancelled call logs "exception was never retrieved".
+                    await asyncio.wait_for(_wait_all(earlier), left)
                 except asyncio.TimeoutError:
                     metrics.DROPPED.labels("deadline").inc()
                     raise DeadlineExceeded(
@@ -483,3 +485,8 @@ class FlowEngine:
             future.set_result(
                 FlowResult(outputs[slot], queue_s * 1e3, compute_s * 1e3, n, plan.num_padded_frames)
             )
+
+
+async def _wait_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        await event.wait()
