@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -517,3 +518,245 @@ def test_offline_build_env_pins_the_local_wheel(tmp_path):
     assert all(
         f"${{{k}:-" in text for k in ("T2W_BASE_IMAGE", "T2W_TORCH_SPEC", "T2W_TORCH_INDEX_URL")
     )
+
+
+# ---- Kubernetes: deploy/k8s-tls (overlay: TLS + auth), deploy/k8s/frontend (component) ----
+# load_k8s() reads only deploy/k8s/*.yaml: the patch files are never taken for base objects.
+
+OVERLAYS = {"tls": ROOT / "deploy" / "k8s-tls", "frontend": K8S_DIR / "frontend"}
+MERGE_KEYS = {
+    "containers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "ports": "port",  # a Service's (no patch here touches a container's ports)
+}
+
+
+def strategic_merge(base, patch, key: str = ""):
+    """The part of Kubernetes' strategic merge patch the overlays use: maps merge, `null`
+    deletes, the lists in MERGE_KEYS merge by their key, other lists replace."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for k, v in patch.items():
+            if v is None:
+                out.pop(k, None)
+            else:
+                out[k] = strategic_merge(base.get(k), v, k) if k in base else v
+        return out
+    if isinstance(base, list) and key in MERGE_KEYS:
+        by = MERGE_KEYS[key]
+        out = list(base)
+        for item in patch:
+            idx = [i for i, b in enumerate(out) if b[by] == item[by]]
+            if idx:
+                out[idx[0]] = strategic_merge(out[idx[0]], item)
+            else:
+                out.append(item)
+        return out
+    return patch
+
+
+def overlay_patches(name: str, kind: str = "Deployment") -> list[dict]:
+    kust = yaml.safe_load((OVERLAYS[name] / "kustomization.yaml").read_text())
+    patches = []
+    for entry in kust["patches"]:
+        docs = [d for d in yaml.safe_load_all((OVERLAYS[name] / entry["path"]).read_text()) if d]
+        if "target" in entry:  # one patch for the target it names
+            (patch,) = docs
+            assert entry["target"] == {"kind": patch["kind"], "name": patch["metadata"]["name"]}
+        patches += [d for d in docs if d["kind"] == kind]
+    return patches
+
+
+def patched(name: str, kind: str = "Deployment") -> dict[str, dict]:
+    """component -> the base object with the overlay's patch applied."""
+    out = {}
+    for patch in overlay_patches(name, kind):
+        (base,) = [d for d in objects(kind) if d["metadata"]["name"] == patch["metadata"]["name"]]
+        out[component(base)] = strategic_merge(copy.deepcopy(base), patch)
+    return out
+
+
+def test_overlays_wire_the_base():
+    tls = yaml.safe_load((OVERLAYS["tls"] / "kustomization.yaml").read_text())
+    assert tls["resources"] == ["../k8s"]
+    assert set(patched("tls")) == set(SERVICES)
+    assert set(patched("frontend")) == {"gateway"}
+    for name in OVERLAYS:
+        for patch in overlay_patches(name):
+            (base,) = [
+                d
+                for d in objects("Deployment")
+                if d["metadata"]["name"] == patch["metadata"]["name"]
+            ]
+            pod = patch["spec"]["template"]["spec"]
+            # A container name the base lacks would add a second, half-made container.
+            assert [c["name"] for c in pod["containers"]] == [container(base)["name"]]
+    # The Services' ports now speak TLS; a port the base lacks would add a second one.
+    services = patched("tls", "Service")
+    assert set(services) == set(SERVICES)
+    for name, svc in services.items():
+        (port,) = svc["spec"]["ports"]
+        assert port["port"] == SERVICES[name][1] and port["appProtocol"] != "kubernetes.io/h2c"
+        kubernetes_validate.validate(svc, K8S_VERSIONS[-1], strict=True)
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_overlay_deployments_match_schema(overlay, version):
+    for dep in patched(overlay).values():
+        kubernetes_validate.validate(dep, version, strict=True)
+
+
+def test_strategic_merge_can_fail_the_schema():
+    # Without `grpc: null` a probe would keep both handlers, which the API server refuses; the
+    # schema cannot see that, so the TLS test checks it itself. A misspelt field it does see:
+    dep = patched("tls")["flow"]
+    bad = strategic_merge(
+        dep, {"spec": {"template": {"spec": {"volumes": [{"name": "tls", "secrett": {}}]}}}}
+    )
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSIONS[-1], strict=True)
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_overlay_env_is_read_by_the_service(overlay, monkeypatch):
+    for name, dep in patched(overlay).items():
+        check_env_accepted(name, env_of(container(dep)), monkeypatch)
+
+
+def _secret_files(dep: dict) -> tuple[str, set[str]]:
+    """The Secret's mount path in the container and the files it puts there."""
+    pod = dep["spec"]["template"]["spec"]
+    (vol,) = [v for v in pod["volumes"] if "secret" in v]
+    (mount,) = [m for m in container(dep)["volumeMounts"] if m["name"] == vol["name"]]
+    assert mount["readOnly"] is True
+    return mount["mountPath"], {i["path"] for i in vol["secret"]["items"]}
+
+
+def check_tls(name: str, dep: dict, patch: dict) -> None:
+    """TLS is on, the probes speak it, and every file the patch names is in the Secret."""
+    c = container(dep)
+    prefix, port, _ = SERVICES[name]
+    env = env_of(c)
+    root, files = _secret_files(dep)
+    assert f"{prefix}_TLS_CERT" in env and f"{prefix}_TLS_KEY" in env
+    if name == "gateway":
+        assert {"GATEWAY_AUTH_TOKENS", "GATEWAY_INTERNAL_CA", "GATEWAY_INTERNAL_CERT"} <= set(env)
+    else:  # mutual TLS: only the gateway's certificate gets in
+        assert f"{prefix}_TLS_CLIENT_CA" in env
+        assert "tokens.txt" not in files  # the bearer tokens stay with the gateway
+    if name == "vocoder":
+        assert env["VOCODER_CONTROL_CLIENTS"] == "gateway"
+    mine = {e["name"] for e in patch["spec"]["template"]["spec"]["containers"][0]["env"]}
+    paths = [v for k, v in env.items() if k in mine and v.startswith("/")]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        p = c[probe]
+        assert "grpc" not in p, f"{probe}: the kubelet's grpc probe cannot speak TLS"
+        cmd = p["exec"]["command"]
+        assert cmd[:3] == ["python", "-m", "token2wav.healthcheck"]
+        assert cmd[cmd.index("--addr") + 1] == f"127.0.0.1:{port}"
+        assert cmd[cmd.index("--tls-ca") + 1] == f"{root}/ca.crt"
+        assert ("--tls-cert" in cmd) == (name != "gateway")  # a client cert where mTLS is on
+        paths += [a for a in cmd if a.startswith("/")]
+    for path in paths:
+        assert path.startswith(root + "/") and path[len(root) + 1 :] in files, path
+
+
+def tls_patch(name: str) -> dict:
+    (patch,) = [
+        q
+        for q in overlay_patches("tls")
+        if q["metadata"]["name"] == deployment(name)["metadata"]["name"]
+    ]
+    return patch
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_tls_overlay_turns_tls_on_with_files_from_the_secret(name):
+    check_tls(name, patched("tls")[name], tls_patch(name))
+
+
+def _key_not_in_secret(patch):
+    env = patch["spec"]["template"]["spec"]["containers"][0]["env"]
+    (e,) = [e for e in env if e["name"] == "FLOW_TLS_KEY"]
+    e["value"] = "/certs/flow.key"  # a key the Secret's items do not project
+
+
+def _grpc_probe_kept(patch):
+    del patch["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]
+
+
+def _outside_the_mount(patch):
+    patch["spec"]["template"]["spec"]["containers"][0]["env"].append(
+        {"name": "FLOW_TLS_CLIENT_CA", "value": "/etc/ssl/ca.crt"}
+    )
+
+
+@pytest.mark.parametrize("mutate", [_key_not_in_secret, _grpc_probe_kept, _outside_the_mount])
+def test_tls_overlay_check_can_fail(mutate):
+    patch = copy.deepcopy(tls_patch("flow"))
+    mutate(patch)
+    dep = strategic_merge(copy.deepcopy(deployment("flow")), patch)
+    with pytest.raises(AssertionError):
+        check_tls("flow", dep, patch)
+
+
+def _by(items: list[dict], key: str) -> dict:
+    return {i[key]: i for i in items}
+
+
+@pytest.mark.parametrize("overlay", ["tls", "tls+frontend"])
+def test_kustomize_renders_what_the_tests_check(overlay, tmp_path):
+    """kubectl's own kustomize (when installed) builds the overlay; its Deployments equal the
+    merge the tests above check, and every object it renders passes the schemas."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("no kubectl (the Python merge above still checks the overlay)")
+    root = OVERLAYS["tls"]
+    want = patched("tls")
+    if overlay == "tls+frontend":
+        root = tmp_path / "k"  # beside deploy/: kustomize refuses a root inside the base
+        root.mkdir()
+        (root / "kustomization.yaml").write_text(
+            f"resources:\n  - {os.path.relpath(OVERLAYS['tls'], root)}\n"
+            f"components:\n  - {os.path.relpath(OVERLAYS['frontend'], root)}\n"
+        )
+        want["gateway"] = strategic_merge(want["gateway"], overlay_patches("frontend")[0])
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert len(docs) == len(K8S_DOCS)
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+    for doc in [d for d in docs if d["kind"] == "Deployment"]:
+        mine = want[component(doc)]
+        got_c, want_c = container(doc), container(mine)
+        for field, key in (("env", "name"), ("volumeMounts", "mountPath")):
+            assert _by(got_c[field], key) == _by(want_c[field], key), field
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert got_c[probe] == want_c[probe], probe
+        pods = doc["spec"]["template"]["spec"], mine["spec"]["template"]["spec"]
+        assert _by(pods[0]["volumes"], "name") == _by(pods[1]["volumes"], "name")
+    services = patched("tls", "Service")
+    for doc in [d for d in docs if d["kind"] == "Service"]:
+        assert doc["spec"]["ports"] == services[component(doc)]["spec"]["ports"]
+
+
+def test_frontend_component_mounts_the_weights_read_only():
+    dep = patched("frontend")["gateway"]
+    c = container(dep)
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    frontend_dir = env_of(c)["GATEWAY_FRONTEND_DIR"]
+    assert mounts[frontend_dir]["readOnly"] is True
+    (vol,) = [
+        v
+        for v in dep["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == mounts[frontend_dir]["name"]
+    ]
+    (pvc,) = objects("PersistentVolumeClaim")
+    assert vol["persistentVolumeClaim"] == {"claimName": pvc["metadata"]["name"], "readOnly": True}
+    kust = yaml.safe_load((OVERLAYS["frontend"] / "kustomization.yaml").read_text())
+    assert kust["kind"] == "Component"  # opt-in: without the ONNX files the gateway stops
