@@ -5,6 +5,8 @@
   match, headless Services where the gateway balances itself, gRPC probes on the serving port,
   grace periods that cover a drain plus the longest stream, GPU requests, env vars that the
   services really read, with values they accept.
+- deploy/k8s-tls (overlay) and deploy/k8s/frontend (component): their patches applied to the base
+  objects, then the same checks, plus TLS probes and files inside the Secret's mount.
 - docker-compose.yml (+ deploy/compose.*.yml): Compose v2's own `config` check, then the same
   contract on the resolved model (health checks, service_healthy, DNS addresses, scalability).
 - Dockerfile / .dockerignore: public default base, non-root, a build context that holds
