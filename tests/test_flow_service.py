@@ -12,8 +12,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from _stack import start_flow
 
-from flow_service.app import build_parser, create_server
 from flow_service.engine import FlowEngine
 from flow_service.model import ChunkRequest, Voice, load_flow
 from flow_service.scheduler import BatchPolicy
@@ -79,19 +79,14 @@ async def until(condition, timeout: float = 30.0) -> None:
 
 
 async def start(model, *flags):
-    args = build_parser().parse_args(["--port", "0", "--metrics-port", "0", *flags])
-    server, engine, warmup = create_server(args, model=model)
-    await server.start()
-    engine.start()
-    await server.set_serving(True)
+    server = await start_flow(model, *flags)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    return server, engine, channel
+    return server, server.service.engine, channel
 
 
 async def stop(server, engine, channel):
     await channel.close()
-    await server.drain()
-    await engine.stop()
+    await server.drain()  # stops the engine too
 
 
 def make_stream(seed: int, n_prompt: int, n_tokens: int):

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
 from token2wav.server import ServerOptions
+from token2wav.service import start
 from token2wav.tensors import decode, encode
 from token2wav.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 from vocoder_service.batcher import Batcher
@@ -34,7 +35,7 @@ from vocoder_service.model import (
     load_hift,
 )
 from vocoder_service.runner import HiFTRunner, StepOutput
-from vocoder_service.server import VocoderService, create_server
+from vocoder_service.service import VocoderService
 
 ROOT = Path(__file__).resolve().parent.parent
 Code = grpc.StatusCode
@@ -110,11 +111,13 @@ async def serve(model):
 
     async def make(hift=None, **kw) -> Client:
         batch = {k: kw.pop(k) for k in ("max_batch_sessions", "max_wait_ms") if k in kw}
-        cfg = VocoderServiceConfig(sessions=SessionConfig(**kw), batcher=BatcherConfig(**batch))
-        srv, port = await create_server(
-            ServerOptions(port=0, grace_period=1), cfg, model=hift or model
+        cfg = VocoderServiceConfig(
+            sessions=SessionConfig(**kw),
+            batcher=BatcherConfig(**batch),
+            server=ServerOptions(port=0, grace_period=1),
         )
-        ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        srv = await start(VocoderService(cfg, model=hift or model))
+        ch = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
         made.append((srv, ch))
         return Client(srv, ch)
 
@@ -645,7 +648,7 @@ def test_export_envelope_round_trips_and_rejects_damage(model):
 
 
 def test_cli_flags_mirror_env(monkeypatch):
-    from vocoder_service.__main__ import build_parser, config_from_args
+    from vocoder_service.config import build_parser
 
     monkeypatch.setenv("VOCODER_MAX_BATCH_SESSIONS", "1")
     monkeypatch.setenv("VOCODER_MODEL_DIR", "")  # compose writes empty values for "unset"
@@ -653,13 +656,13 @@ def test_cli_flags_mirror_env(monkeypatch):
     monkeypatch.setenv("VOCODER_PHASE_MODE", "upstream")
     parser = build_parser()
     args = parser.parse_args(["--idle-timeout", "7"])
-    cfg = config_from_args(args)
+    cfg = VocoderServiceConfig.from_args(args)
     assert cfg.batcher.max_batch_sessions == 1 and cfg.sessions.idle_timeout_s == 7
     assert cfg.model.model_dir is None and cfg.model.preset is None
     assert cfg.model.phase_mode == "upstream"
-    assert config_from_args(parser.parse_args(["--phase-mode", "exact"])).model.phase_mode == (
-        "exact"
-    )
+    assert VocoderServiceConfig.from_args(
+        parser.parse_args(["--phase-mode", "exact"])
+    ).model.phase_mode == ("exact")
     assert args.port == 50053 and args.metrics_port == 9103
     text = " ".join(parser.format_help().split())
     flags = "--model-dir --preset --device --dtype --phase-mode --max-sessions --gap-timeout"
@@ -669,9 +672,9 @@ def test_cli_flags_mirror_env(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["exact", "upstream"])
 def test_phase_mode_reaches_the_model(mode):
-    from vocoder_service.__main__ import build_parser, config_from_args
+    from vocoder_service.config import build_parser
 
-    cfg = config_from_args(build_parser().parse_args(["--phase-mode", mode]))
+    cfg = VocoderServiceConfig.from_args(build_parser().parse_args(["--phase-mode", mode]))
     service = VocoderService(cfg)  # loads the model as `python -m vocoder_service` does
     assert service.model.cfg.phase_mode == mode
     assert service.model.new_session().fingerprint.endswith(f"phase-{mode}")

@@ -22,8 +22,6 @@ from token2wav.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def is_input_error(exc: BaseException) -> bool:
     """A caller mistake the model detected before touching any state."""
