@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import grpc
@@ -26,6 +25,7 @@ from token2wav.errors import (
     Unavailable,
     scrub,
 )
+from token2wav.lru import LRU
 from token2wav.tensors import VoiceData, decode, encode
 from token2wav.v1 import flow_pb2, flow_pb2_grpc
 
@@ -73,20 +73,17 @@ class KnownVoices:
 
     def __init__(self, max_per_replica: int = 4096):
         self.max = max_per_replica
-        self._known: dict[str, OrderedDict[str, None]] = {}  # address -> voice ids
+        self._known: dict[str, LRU] = {}  # address -> voice ids
 
     def has(self, addr: str, voice_id: str) -> bool:
         return voice_id in self._known.get(addr, ())
 
     def add(self, addr: str, voice_id: str) -> None:
-        ids = self._known.setdefault(addr, OrderedDict())
-        ids[voice_id] = None
-        ids.move_to_end(voice_id)
-        while len(ids) > self.max:
-            ids.popitem(last=False)
+        self._known.setdefault(addr, LRU(self.max)).put(voice_id)
 
     def forget(self, addr: str, voice_id: str) -> None:
-        self._known.get(addr, {}).pop(voice_id, None)
+        if addr in self._known:
+            self._known[addr].pop(voice_id)
 
 
 class FlowClient:

@@ -15,8 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from token2wav.errors import check_request_id  # noqa: F401 - re-exported to the servicer
-
 
 def chunk_digest(mel: np.ndarray, finalize: bool) -> bytes:
     """What makes two chunks under one seq "the same": frames, values and the finalize flag."""

@@ -20,11 +20,11 @@ import logging
 import numpy as np
 
 from token2wav import MEL_BINS
-from token2wav.errors import InvalidArgument
+from token2wav.errors import InvalidArgument, check_request_id
 from token2wav.server import request_id_var
 from token2wav.tensors import decode, encode
 from token2wav.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
-from vocoder_service.chunks import Chunk, ChunkAudio, check_request_id
+from vocoder_service.chunks import Chunk, ChunkAudio
 from vocoder_service.config import MEL_FRAME_BYTES, SessionConfig
 from vocoder_service.export import pack_session, unpack_session
 from vocoder_service.manager import SessionManager
