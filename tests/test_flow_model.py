@@ -398,7 +398,7 @@ def test_generate_rejects_with_slot(model):
     bad = ChunkRequest(good.voice, _with(good.tokens, 5, 7000), 0, False, True)
     with pytest.raises(InvalidInput) as info:
         model.generate([good, bad])
-    assert info.value.index == 1 and info.value.field == "tokens[5]"
+    assert info.value.slot == 1 and info.value.field == "tokens[5]"
     assert str(info.value) == "chunks[1].tokens[5]: id 7000 outside 0..6560"
 
 

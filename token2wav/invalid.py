@@ -6,12 +6,12 @@ from __future__ import annotations
 
 class InvalidInput(ValueError):
     """A caller's input that a model refused before touching any state. `field` names it;
-    `index` is the offending request's position in a batch (None when validated alone), so a
-    batch can fail that one request and run the others; `where` replaces `field` in the message
+    `slot` is the offending request's index in the list a batched call was given (None when
+    validated alone), so a batch can fail that one request and run the others; `where` replaces `field` in the message
     (e.g. `chunks[1].tokens[5]`)."""
 
-    def __init__(self, field: str, problem: str, index: int | None = None, where: str = ""):
+    def __init__(self, field: str, problem: str, slot: int | None = None, where: str = ""):
         super().__init__(f"{where or field}: {problem}")
         self.field = field
         self.problem = problem
-        self.index = index
+        self.slot = slot

@@ -86,7 +86,7 @@ class HiFTRunner:
                     out.audio[i] = _to_numpy(a)
                 return
             except Exception as exc:  # noqa: BLE001 - sorted into input errors and failures
-                row = getattr(exc, "index", None)
+                row = getattr(exc, "slot", None)
                 if is_input_error(exc) and isinstance(row, int) and 0 <= row < len(slots):
                     i = slots.pop(row)
                     out.errors[i], out.fatal[i] = _client_error(exc)
