@@ -99,7 +99,7 @@ async def run_level(client: FlowClient, a: argparse.Namespace, streams: int, tag
                 compute_ms=out.compute_ms,
                 batch_size=out.batch_size,
                 frames=seq_frames(a.prompt_tokens, chunk),
-                out_frames=out.mel.shape[1],
+                out_frames=out.num_frames,
                 first=chunk.seq == 0,
             )
         )

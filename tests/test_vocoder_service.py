@@ -724,3 +724,17 @@ def test_python_m_vocoder_service_serves_and_drains():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_digest_of_received_bytes_equals_digest_of_decoded_mel():
+    """The servicer hashes the bytes it received; a chunk built from an array (tests, import)
+    must get the same digest, or a retry would look like a different chunk."""
+    from vocoder_service.chunks import chunk_digest, mel_digest
+    from vocoder_service.servicer import chunk_from_proto
+
+    mel = np.random.default_rng(3).standard_normal((80, 7)).astype(np.float32)
+    wire = encode(mel)
+    assert mel_digest(7, wire.data, False) == chunk_digest(mel, False)
+    assert mel_digest(7, wire.data, True) != chunk_digest(mel, False)
+    msg = vocoder_pb2.VocoderChunk(request_id="r", seq=0, mel=wire)
+    assert chunk_from_proto(msg, SessionConfig(), 10).digest == chunk_digest(mel, False)

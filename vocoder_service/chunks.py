@@ -18,9 +18,15 @@ import numpy as np
 
 def chunk_digest(mel: np.ndarray, finalize: bool) -> bytes:
     """What makes two chunks under one seq "the same": frames, values and the finalize flag."""
+    data = np.ascontiguousarray(mel, dtype="<f4").tobytes()
+    return mel_digest(int(mel.shape[1]), data, finalize)
+
+
+def mel_digest(num_frames: int, data: bytes, finalize: bool) -> bytes:
+    """`chunk_digest` of a mel given as its little-endian float32 bytes (as on the wire)."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{mel.shape[1]}:{int(finalize)}:".encode())
-    h.update(np.ascontiguousarray(mel, dtype="<f4").tobytes())
+    h.update(f"{num_frames}:{int(finalize)}:".encode())
+    h.update(data)
     return h.digest()
 
 
