@@ -12,11 +12,11 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from _reference import reference_synthesis
 from _stack import start_stack, stream_inputs
 
 from flow_service.model import load_flow
 from gateway.client import AsyncClient, load_voice, make_sample, run_synthesis
-from gateway.reference import reference_synthesis
 from token2wav import SAMPLES_PER_TOKEN
 from token2wav.tensors import make_voice
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
