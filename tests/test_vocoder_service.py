@@ -273,14 +273,28 @@ async def test_caps_answer_resource_exhausted(serve):
     assert [m.seq for m in answers] == [1, 2, 3] and answers[-1].is_final
 
 
+async def until(condition, timeout: float = 30.0) -> None:
+    """Yield to the loop until `condition()` holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+def active_after(manager, request_id: str, idle_s: float) -> int:
+    """Open sessions after a sweep `idle_s` seconds after `request_id`'s last chunk."""
+    manager.sweep(now=manager._active[request_id].last_active + idle_s)
+    return manager.stats()["num_active"]
+
+
 async def test_idle_session_is_evicted_and_unknown_ids_are_not_found(serve):
-    c = await serve(idle_timeout_s=0.3, sweep_interval_s=0.05)
+    c = await serve(idle_timeout_s=0.3, sweep_interval_s=600)  # sweeps only when the test says
     before = metric("t2w_vocoder_evictions_total", reason="idle")
     m10 = make_mel(15, 10)
     await c.run([chunk("idle", 0, m10)])
-    assert c.manager.stats()["num_active"] == 1
-    await asyncio.sleep(0.6)
-    assert c.manager.stats()["num_active"] == 0
+    await until(lambda: "idle" not in c.manager._streams)  # the server saw the stream end
+    assert active_after(c.manager, "idle", 0.29) == 1
+    assert active_after(c.manager, "idle", 0.31) == 0
     assert metric("t2w_vocoder_evictions_total", reason="idle") == before + 1
     assert "no session" in await c.fails([chunk("idle", 1, m10)], Code.NOT_FOUND)
     await c.fails([chunk("never-opened", 3, m10)], Code.NOT_FOUND)
@@ -289,14 +303,13 @@ async def test_idle_session_is_evicted_and_unknown_ids_are_not_found(serve):
 async def test_open_stream_keeps_its_session_past_the_idle_timeout(serve, model):
     """A caller whose stream stays open is waiting on upstream work (a busy flow service),
     not gone: its session is not evicted; once the stream ends, the idle clock runs."""
-    c = await serve(idle_timeout_s=0.3, sweep_interval_s=0.05)
+    c = await serve(idle_timeout_s=0.3, sweep_interval_s=600)  # sweeps only when the test says
     mel = make_mel(18, 40)
     msgs = chunks_of("slow", split(mel, [20, 20]))
     call = c.stub.Session(timeout=30)
     await call.write(msgs[0])
     first = await call.read()
-    await asyncio.sleep(0.7)  # > 2 idle timeouts with the stream open
-    assert c.manager.stats()["num_active"] == 1
+    assert active_after(c.manager, "slow", 0.7) == 1  # > 2 idle timeouts, the stream open
     await call.write(msgs[1])
     last = await call.read()
     assert last.is_final
@@ -308,10 +321,9 @@ async def test_open_stream_keeps_its_session_past_the_idle_timeout(serve, model)
     await call.read()
     await call.done_writing()
     assert await call.read() == grpc.aio.EOF
-    await asyncio.sleep(0.1)
-    assert c.manager.stats()["num_active"] == 1
-    await asyncio.sleep(0.6)
-    assert c.manager.stats()["num_active"] == 0
+    await until(lambda: "left" not in c.manager._streams)  # the server saw the stream end
+    assert active_after(c.manager, "left", 0.1) == 1
+    assert active_after(c.manager, "left", 0.31) == 0
 
 
 async def test_resume_after_the_transport_stream_is_cut(serve, model):
