@@ -31,12 +31,14 @@ import numpy as np
 import torch
 
 from bench.workload import TOKEN_RATE, make_bench_voice, make_tokens
-from flow_service.app import build_parser as flow_parser
-from flow_service.app import create_server
+from flow_service.config import FlowConfig
+from flow_service.config import build_parser as flow_parser
 from flow_service.model import NUM_STEPS, TOKEN_MEL_RATIO, load_flow
+from flow_service.service import FlowService
 from gateway.downstream import FlowClient
 from gateway.routing import ReplicaSet
 from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner
+from token2wav.service import start
 
 
 def plan_calls(num_prompt_tokens: int, num_tokens: int) -> list:
@@ -97,7 +99,7 @@ async def run_level(client: FlowClient, a: argparse.Namespace, streams: int, tag
                 compute_ms=out.compute_ms,
                 batch_size=out.batch_size,
                 frames=seq_frames(a.prompt_tokens, chunk),
-                out_frames=out.mel.shape[1],
+                out_frames=out.num_frames,
                 first=chunk.seq == 0,
             )
         )
@@ -166,10 +168,9 @@ async def run_mode(model, a: argparse.Namespace, batching: bool, save) -> list[d
     flags += a.flow_arg
     if not batching:
         flags += ["--max-batch-size", "1"]  # after the pass-through flags: they cannot undo it
-    server, engine, warmup = create_server(flow_parser().parse_args(flags), model=model)
-    await server.start()
-    await warmup()
-    await server.set_serving(True)
+    config = FlowConfig.from_args(flow_parser().parse_args(flags))
+    server = await start(FlowService(config, model=model))  # warmed up, as in production
+    engine = server.service.engine
     replicas = ReplicaSet(f"127.0.0.1:{server.port}")
     client = FlowClient(replicas)
     label = "on" if batching else "off"
@@ -192,8 +193,7 @@ async def run_mode(model, a: argparse.Namespace, batching: bool, save) -> list[d
             )
     finally:
         await replicas.close()
-        await server.drain()
-        await engine.stop()
+        await server.drain()  # stops the engine too
     return rows
 
 

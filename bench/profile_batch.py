@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flow_service.app import DTYPES, warmup_batch, warmup_requests
 from flow_service.engine import FlowEngine
 from flow_service.model import load_flow
 from flow_service.scheduler import BatchPolicy
+from flow_service.warmup import warmup_batch, warmup_requests
+from token2wav.dtypes import DTYPES
 
 
 def main() -> None:

@@ -27,13 +27,14 @@ import grpc
 import numpy as np
 import torch
 
+from token2wav.dtypes import DTYPES
 from token2wav.server import ServerOptions
+from token2wav.service import start as start_service
 from token2wav.tensors import decode, encode
 from token2wav.v1 import vocoder_pb2, vocoder_pb2_grpc
 from vocoder_service.config import BatcherConfig, ModelConfig, SessionConfig, VocoderServiceConfig
 from vocoder_service.model import HOP_SAMPLES, SAMPLE_RATE, load_hift
-from vocoder_service.runner import DTYPES
-from vocoder_service.server import create_server
+from vocoder_service.service import VocoderService
 
 UPSTREAM_HOPS = (50, 100, 200)  # mel frames (25, 50, 100 tokens), then 200 until the end
 
@@ -97,8 +98,10 @@ async def load_sweep(model, args, batching: bool) -> list[dict]:
             max_batch_sessions=args.max_batch_sessions if batching else 1,
             max_wait_ms=args.max_wait_ms,
         ),
+        server=ServerOptions(port=0, grace_period=5),
     )
-    server, port = await create_server(ServerOptions(port=0, grace_period=5), cfg, model=model)
+    server = await start_service(VocoderService(cfg, model=model))
+    port = server.port
     rows = []
     sizes = schedule(args.frames)
     mels = [make_mel(i, args.frames) for i in range(max(args.sessions))]

@@ -333,7 +333,7 @@ class FlowEngine:
         """Batches covering every graph bucket up to `max_frames`, to capture before SERVING."""
         if self._graphs is None:
             return []
-        from flow_service.app import warmup_batch
+        from flow_service.warmup import warmup_batch
 
         sizes = [
             1 << i

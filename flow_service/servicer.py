@@ -22,7 +22,7 @@ class FlowServicer(flow_pb2_grpc.FlowServicer):
         self.engine = engine
         self.voices = voices
 
-    def _chunk(self, request: flow_pb2.GenerateRequest) -> tuple[str, ChunkRequest]:
+    def _flow_request(self, request: flow_pb2.GenerateRequest) -> tuple[str, ChunkRequest]:
         which = request.WhichOneof("voice")
         if which == "inline_voice":
             voice_id, voice = self.voices.put(decode_voice(request.inline_voice, "inline_voice"))
@@ -44,7 +44,7 @@ class FlowServicer(flow_pb2_grpc.FlowServicer):
 
     async def Generate(self, request, context):
         request_id_var.set(check_request_id(request.request_id, required=False) or "-")
-        voice_id, chunk = self._chunk(request)
+        voice_id, chunk = self._flow_request(request)
         remaining = context.time_remaining()
         now = time.monotonic()
         deadline = math.inf if remaining is None else now + remaining

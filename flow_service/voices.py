@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
 from flow_service import metrics
 from flow_service.model import Voice, validate_voice
 from token2wav.errors import NotFound
+from token2wav.lru import LRU
 from token2wav.tensors import VoiceData
 
 
@@ -17,7 +16,7 @@ class VoiceCache:
         if max_voices < 1:
             raise ValueError("max_voices must be >= 1")
         self.max_voices = max_voices
-        self._voices: OrderedDict[str, Voice] = OrderedDict()  # voice_id -> Voice
+        self._voices = LRU(max_voices)  # voice_id -> Voice
 
     def __len__(self) -> int:
         return len(self._voices)
@@ -33,16 +32,12 @@ class VoiceCache:
                 embedding=torch.from_numpy(data.embedding.copy()),
             )
             validate_voice(voice, "inline_voice.")
-            self._voices[voice_id] = voice
-            while len(self._voices) > self.max_voices:
-                self._voices.popitem(last=False)
+            self._voices.put(voice_id, voice)
             metrics.VOICE_CACHE.set(len(self._voices))
-        self._voices.move_to_end(voice_id)
         return voice_id, voice
 
     def get(self, voice_id: str) -> Voice:
         voice = self._voices.get(voice_id)
         if voice is None:
             raise NotFound(f"voice_id {voice_id!r} is not cached on this replica; send it inline")
-        self._voices.move_to_end(voice_id)
         return voice

@@ -2,33 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
-from gateway.app import build_parser, create_server, load_voice_maker
-from token2wav.cli import run_main
-from token2wav.frontend.audio import FrontendUnavailable
-from token2wav.server import setup_logging
+from gateway.config import build_parser
+from gateway.service import GatewayService
+from token2wav.service import run_service
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    setup_logging(args.log_level, "gateway")
-    try:
-        voice_maker = load_voice_maker(args)  # fail at start, naming what is missing
-    except FrontendUnavailable as exc:
-        parser.error(f"--frontend-dir: {exc}")
-
-    async def run() -> None:
-        server, close = create_server(args, voice_maker)
-        try:
-            await server.run()  # no model to warm: SERVING as soon as it listens
-        finally:
-            await close()
-
-    # start-up failures (port taken) end as one line; the traceback at --log-level debug
-    return run_main("gateway", lambda: asyncio.run(run()))
+    return run_service(GatewayService, build_parser(), argv)
 
 
 if __name__ == "__main__":

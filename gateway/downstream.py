@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import grpc
@@ -16,6 +15,7 @@ from gateway.admission import CapacityBoard
 from gateway.deadlines import slack_ms
 from gateway.failover import RetryBudget
 from gateway.routing import ReplicaSet
+from token2wav import MEL_BINS
 from token2wav.errors import (
     Aborted,
     DeadlineExceeded,
@@ -26,8 +26,9 @@ from token2wav.errors import (
     Unavailable,
     scrub,
 )
-from token2wav.tensors import VoiceData, decode, encode
-from token2wav.v1 import flow_pb2, flow_pb2_grpc
+from token2wav.lru import LRU
+from token2wav.tensors import VoiceData, check_header, encode
+from token2wav.v1 import common_pb2, flow_pb2, flow_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
 
 @dataclass
 class FlowOutput:
-    mel: np.ndarray  # (80, frames) float32
+    mel: common_pb2.Tensor  # (80, frames) float32 as the replica sent it: forwarded untouched
+    num_frames: int
     queue_ms: float
     compute_ms: float
     batch_size: int
@@ -73,20 +75,17 @@ class KnownVoices:
 
     def __init__(self, max_per_replica: int = 4096):
         self.max = max_per_replica
-        self._known: dict[str, OrderedDict[str, None]] = {}  # address -> voice ids
+        self._known: dict[str, LRU] = {}  # address -> voice ids
 
     def has(self, addr: str, voice_id: str) -> bool:
         return voice_id in self._known.get(addr, ())
 
     def add(self, addr: str, voice_id: str) -> None:
-        ids = self._known.setdefault(addr, OrderedDict())
-        ids[voice_id] = None
-        ids.move_to_end(voice_id)
-        while len(ids) > self.max:
-            ids.popitem(last=False)
+        self._known.setdefault(addr, LRU(self.max)).put(voice_id)
 
     def forget(self, addr: str, voice_id: str) -> None:
-        self._known.get(addr, {}).pop(voice_id, None)
+        if addr in self._known:
+            self._known[addr].pop(voice_id)
 
 
 class FlowClient:
@@ -165,9 +164,9 @@ class FlowClient:
                     break
                 self.known.add(addr, voice_id)
                 self.board.report(addr, resp.capacity_frames_per_s)
-                mel = decode(resp.mel, "mel", shape=(80, None))
+                _, frames = check_header(resp.mel, "mel", shape=(MEL_BINS, None))
                 t = resp.timing
-                return FlowOutput(mel, t.queue_ms, t.compute_ms, t.batch_size)
+                return FlowOutput(resp.mel, frames, t.queue_ms, t.compute_ms, t.batch_size)
             if last is None or last.code() not in _RETRYABLE:
                 break  # only a replica that is down or shutting down is worth another one
             self.replicas.eject(addr)

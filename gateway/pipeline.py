@@ -32,7 +32,7 @@ from gateway.routing import ReplicaSet
 from gateway.schedule import Chunk, ChunkPlanner, ScheduleConfig
 from token2wav import MAX_FRAMES, SAMPLE_RATE, SAMPLES_PER_TOKEN, TOKEN_MEL_RATIO, VOCAB_SIZE
 from token2wav.errors import Aborted, InvalidArgument
-from token2wav.tensors import VoiceData, decode, encode
+from token2wav.tensors import VoiceData, check_header, decode
 from token2wav.v1 import common_pb2, gateway_pb2, vocoder_pb2, vocoder_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -58,9 +58,12 @@ class StreamSetup:
     deadline: float | None  # monotonic, from the client's deadline
 
 
-def to_client_audio(samples: np.ndarray, audio_format: int) -> bytes:
+def to_client_audio(audio: common_pb2.Tensor, audio_format: int) -> bytes:
+    """The vocoder's float32 samples (header checked) in the client's format: float32 passes
+    through as it came (little-endian on both wires), int16 is rounded and clipped."""
     if audio_format == gateway_pb2.AUDIO_FORMAT_FLOAT32:
-        return samples.astype("<f4").tobytes()
+        return audio.data
+    samples = decode(audio, "audio", shape=(None,))
     return np.clip(np.round(samples * 32767.0), -32768, 32767).astype("<i2").tobytes()
 
 
@@ -210,10 +213,8 @@ class StreamPipeline:
             due=self._due.get(chunk.seq, math.inf),
         )
         expected = TOKEN_MEL_RATIO * chunk.num_emit_tokens
-        if out.mel.shape[1] != expected:
-            raise RuntimeError(
-                f"flow chunk {chunk.seq}: {out.mel.shape[1]} frames, want {expected}"
-            )
+        if out.num_frames != expected:
+            raise RuntimeError(f"flow chunk {chunk.seq}: {out.num_frames} frames, want {expected}")
         fut.set_result(out)
 
     # -- vocoder session ---------------------------------------------------------------------
@@ -244,7 +245,7 @@ class StreamPipeline:
             msg = vocoder_pb2.VocoderChunk(
                 request_id=session_id,
                 seq=seq,
-                mel=encode(self._mels[seq].result().mel),
+                mel=self._mels[seq].result().mel,  # the flow replica's bytes, untouched
                 finalize=chunk.finalize,
             )
             if self.playback is not None:  # recomputed: playback may have started meanwhile
@@ -258,7 +259,7 @@ class StreamPipeline:
                 return
             seq += 1
 
-    def _deliver(self, audio: vocoder_pb2.VocoderAudio, samples: np.ndarray):
+    def _deliver(self, audio: vocoder_pb2.VocoderAudio, num_samples: int):
         flow_out = self._mels[audio.seq].result()
         fmt = self.setup.audio_format
         msg = gateway_pb2.SynthesizeResponse(
@@ -267,8 +268,8 @@ class StreamPipeline:
             sample_offset=audio.sample_offset,
             sample_rate=SAMPLE_RATE,
             audio_format=fmt,
-            audio=to_client_audio(samples, fmt),
-            num_samples=samples.size,
+            audio=to_client_audio(audio.audio, fmt),
+            num_samples=num_samples,
             is_final=audio.is_final,
             timing=gateway_pb2.ChunkTiming(
                 flow_queue_ms=flow_out.queue_ms,
@@ -296,19 +297,19 @@ class StreamPipeline:
                         f"vocoder sent seq {audio.seq} @ {audio.sample_offset}, "
                         f"want {expected_seq} @ {expected_offset}"
                     )
-                samples = decode(audio.audio, "audio", shape=(None,))
+                (num_samples,) = check_header(audio.audio, "audio", shape=(None,))
                 if audio.seq < self._num_delivered:  # replayed: the client has it already
-                    if samples.size != self._delivered_sizes[audio.seq]:
+                    if num_samples != self._delivered_sizes[audio.seq]:
                         raise RuntimeError(
-                            f"replayed chunk {audio.seq}: {samples.size} samples, "
+                            f"replayed chunk {audio.seq}: {num_samples} samples, "
                             f"delivered {self._delivered_sizes[audio.seq]}"
                         )
                 else:
-                    await self._out.put(self._deliver(audio, samples))
+                    await self._out.put(self._deliver(audio, num_samples))
                     self._num_delivered += 1
-                    self._delivered_sizes.append(samples.size)
+                    self._delivered_sizes.append(num_samples)
                 expected_seq += 1
-                expected_offset += samples.size
+                expected_offset += num_samples
                 if audio.is_final:
                     break
         except grpc.aio.AioRpcError as exc:

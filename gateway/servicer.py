@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import OrderedDict
 
 from gateway import metrics
 from gateway.admission import AdmissionConfig, AdmissionController
@@ -23,6 +22,7 @@ from token2wav.errors import (
     announce_status,
     check_request_id,
 )
+from token2wav.lru import LRU
 from token2wav.server import request_id_var
 from token2wav.tensors import VoiceData, decode_voice, encode
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
@@ -38,23 +38,18 @@ class VoiceRegistry:
     def __init__(self, max_voices: int = 1024, max_per_client: int = 0):
         self.max_voices = max_voices
         self.max_per_client = max_per_client  # 0: only the global bound
-        self._voices: OrderedDict[str, VoiceData] = OrderedDict()  # voice_id -> voice
+        self._voices = LRU(max_voices)  # voice_id -> voice
         self._owners: dict[str, set[str]] = {}  # voice_id -> clients that registered it
-        self._owned: dict[str, OrderedDict[str, None]] = {}  # client -> its voice ids (LRU)
+        self._owned: dict[str, LRU] = {}  # client -> its voice ids
 
     def register(self, voice: VoiceData, client: str = "") -> tuple[str, bool]:
         vid = voice.voice_id
-        owned = self._owned.setdefault(client, OrderedDict())
+        owned = self._owned.setdefault(client, LRU(self.max_per_client or None))
         created = vid not in owned
-        self._voices[vid] = voice
-        self._voices.move_to_end(vid)
         self._owners.setdefault(vid, set()).add(client)
-        owned[vid] = None
-        owned.move_to_end(vid)
-        while self.max_per_client and len(owned) > self.max_per_client:
-            self._disown(next(iter(owned)), client)
-        while len(self._voices) > self.max_voices:
-            old = next(iter(self._voices))
+        for old, _ in owned.put(vid):  # past the client's quota: its own oldest goes
+            self._disown(old, client)
+        for old, _ in self._voices.put(vid, voice):  # past the global bound: the oldest goes
             for owner in list(self._owners.get(old, ())):
                 self._disown(old, owner)
         return vid, created
@@ -65,24 +60,24 @@ class VoiceRegistry:
 
     def get(self, voice_id: str, client: str = "") -> VoiceData:
         self._check(voice_id, client)
-        self._voices.move_to_end(voice_id)
-        self._owned[client].move_to_end(voice_id)
-        return self._voices[voice_id]
+        self._owned[client].get(voice_id)  # counts as use
+        return self._voices.get(voice_id)
 
     def delete(self, voice_id: str, client: str = "") -> None:
         self._check(voice_id, client)
         self._disown(voice_id, client)
 
     def _disown(self, voice_id: str, client: str) -> None:
-        owned = self._owned.get(client, {})
-        owned.pop(voice_id, None)
-        if not owned:
-            self._owned.pop(client, None)
+        owned = self._owned.get(client)
+        if owned is not None:
+            owned.pop(voice_id)
+            if not len(owned):
+                self._owned.pop(client, None)
         owners = self._owners.get(voice_id, set())
         owners.discard(client)
         if not owners:
             self._owners.pop(voice_id, None)
-            self._voices.pop(voice_id, None)
+            self._voices.pop(voice_id)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):

@@ -10,7 +10,8 @@ import sys
 
 import grpc
 
-from token2wav.server import GrpcServer, ServerOptions
+from token2wav.server import ServerOptions
+from token2wav.service import Service
 
 
 async def count(request: bytes, context):
@@ -20,11 +21,18 @@ async def count(request: bytes, context):
         yield str(i).encode()
 
 
-def register(server):
-    handler = grpc.method_handlers_generic_handler(
-        "test.Slow", {"Count": grpc.unary_stream_rpc_method_handler(count)}
-    )
-    server.add_generic_rpc_handlers((handler,))
+class Slow(Service):
+    grpc_services = ("test.Slow",)
+
+    def register(self, server):
+        handler = grpc.method_handlers_generic_handler(
+            "test.Slow", {"Count": grpc.unary_stream_rpc_method_handler(count)}
+        )
+        server.add_generic_rpc_handlers((handler,))
+
+    async def warmup(self):
+        print(f"PORT {self.server.port} {self.server.metrics_port}", flush=True)
+        await asyncio.sleep(self.config.warmup)
 
 
 async def main():
@@ -33,17 +41,12 @@ async def main():
     p.add_argument("--drain-delay", type=float, default=0.5)
     p.add_argument("--grace", type=float, default=5.0)
     a = p.parse_args()
-    srv = GrpcServer(
-        ServerOptions(port=0, metrics_port=0, grace_period=a.grace, drain_delay=a.drain_delay),
-        ["test.Slow"],
-        register,
+    a.server = ServerOptions(
+        port=0, metrics_port=0, grace_period=a.grace, drain_delay=a.drain_delay
     )
-
-    async def warmup():
-        print(f"PORT {srv.port} {srv.metrics_port}", flush=True)
-        await asyncio.sleep(a.warmup)
-
-    await srv.run(warmup)
+    service = Slow(a)
+    service.server = service.make_server()
+    await service.server.run()
     print("EXITED", flush=True)
 
 

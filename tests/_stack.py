@@ -1,55 +1,103 @@
-"""A loopback stack for the reliability tests: one flow server, N vocoder replicas, a gateway.
+"""The one loopback stack for the tests: any subset of N flow servers, M vocoder replicas and a
+gateway, each started through its service's flags, config and `Service`, as `python -m` does.
 
-Vocoder replicas can be killed (the listener stops at once, in-flight calls end) and restarted
-on the same port, as a crashed pod would be."""
+Replicas can be killed (the listener stops at once, in-flight calls end) and restarted on the
+same port, as a crashed pod would be."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import numpy as np
 
-from flow_service.app import build_parser as flow_parser
-from flow_service.app import create_server as create_flow
-from gateway.app import build_parser as gateway_parser
-from gateway.app import create_server as create_gateway
+from flow_service.config import FlowConfig
+from flow_service.config import build_parser as flow_parser
+from flow_service.service import FlowService
+from gateway.config import GatewayConfig
+from gateway.config import build_parser as gateway_parser
+from gateway.service import GatewayService
+from token2wav.server import GrpcServer
+from token2wav.service import start
 from token2wav.tensors import make_voice
-from vocoder_service.__main__ import build_parser as vocoder_parser
-from vocoder_service.__main__ import config_from_args, server_options
-from vocoder_service.server import create_server as create_vocoder
+from vocoder_service.config import VocoderServiceConfig
+from vocoder_service.config import build_parser as vocoder_parser
+from vocoder_service.service import VocoderService
+
+LOOPBACK = ("--port", "0", "--metrics-port", "0")
+
+
+def flow_config(*flags: str, port: int = 0) -> FlowConfig:
+    args = flow_parser().parse_args([*LOOPBACK, "--max-wait-ms", "2", *flags, "--port", str(port)])
+    return FlowConfig.from_args(args)
+
+
+def vocoder_config(*flags: str, port: int = 0) -> VocoderServiceConfig:
+    args = vocoder_parser().parse_args([*LOOPBACK, *flags, "--port", str(port)])
+    return VocoderServiceConfig.from_args(args)
+
+
+def gateway_config(*flags: str) -> GatewayConfig:
+    return GatewayConfig.from_args(gateway_parser().parse_args([*LOOPBACK, *flags]))
+
+
+async def start_flow(flow_model, *flags: str, port: int = 0, delay=None) -> GrpcServer:
+    """A SERVING flow server, not warmed up (the model's calls stay the test's); `delay(request)`
+    seconds are waited before each call reaches the engine (ordering under uneven latency)."""
+    service = FlowService(flow_config(*flags, port=port), model=flow_model)
+    if delay is not None:
+        submit = service.engine.submit
+
+        async def delayed(request, *args, **kw):
+            await asyncio.sleep(delay(request))
+            return await submit(request, *args, **kw)
+
+        service.engine.submit = delayed
+    return await start(service, warmup=False)
+
+
+async def start_vocoder(hift, *flags: str, port: int = 0) -> GrpcServer:
+    return await start(VocoderService(vocoder_config(*flags, port=port), model=hift))
 
 
 @dataclass
 class Stack:
     models: tuple
-    flows: list  # (flow server, engine) or None (killed)
+    flows: list[GrpcServer | None]  # None: killed
     flow_ports: list[int]
-    vocoders: list  # VocoderServer or None (killed)
+    vocoders: list[GrpcServer | None]
     vocoder_ports: list[int]
-    gateway_server: object
-    close_gateway: object
+    gateway: GrpcServer | None
     vocoder_flags: tuple = ()
     flow_flags: tuple = ()
 
     @property
-    def flow_server(self):
-        return self.flows[0][0]
+    def flow_server(self) -> GrpcServer:
+        return self.flows[0]
 
     @property
     def engine(self):
-        return self.flows[0][1]
+        return self.flows[0].service.engine
+
+    @property
+    def vocoder_server(self) -> GrpcServer:
+        return self.vocoders[0]
+
+    @property
+    def gateway_server(self) -> GrpcServer:
+        return self.gateway
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.gateway_server.port}"
+        return f"127.0.0.1:{self.gateway.port}"
 
     def gateway_server_streams(self) -> int:
         from gateway import metrics
 
         return int(metrics.ACTIVE_STREAMS._value.get())
 
-    def sessions(self, i: int) -> set[str]:
-        """Open sessions on vocoder i, by the client request id they serve."""
+    def sessions(self, i: int = 0) -> set[str]:
+        """Open sessions on vocoder i, by the client request id they serve (keys add a nonce)."""
         v = self.vocoders[i]
         return set() if v is None else {k.rsplit(":", 1)[0] for k in v.service.manager._active}
 
@@ -59,81 +107,56 @@ class Stack:
 
     async def kill_vocoder(self, i: int) -> None:
         v, self.vocoders[i] = self.vocoders[i], None
-        await v.server.stop(None)  # no grace: every call on it ends now
-        await v.service.stop()
+        await v.kill()
 
     async def start_vocoder(self, i: int) -> None:
-        self.vocoders[i] = await _vocoder(self.models[1], self.vocoder_ports[i], self.vocoder_flags)
+        self.vocoders[i] = await start_vocoder(
+            self.models[1], *self.vocoder_flags, port=self.vocoder_ports[i]
+        )
 
     async def kill_flow(self, i: int) -> None:
-        (server, engine), self.flows[i] = self.flows[i], None
-        await server.server.stop(None)
-        await engine.stop()
+        f, self.flows[i] = self.flows[i], None
+        await f.kill()
 
     async def start_flow(self, i: int) -> None:
-        self.flows[i] = await _flow(self.models[0], self.flow_ports[i], self.flow_flags)
+        self.flows[i] = await start_flow(self.models[0], *self.flow_flags, port=self.flow_ports[i])
 
     async def stop(self) -> None:
-        await self.gateway_server.drain()
-        await self.close_gateway()
-        for v in self.vocoders:
-            if v is not None:
-                await v.drain()
-        for f in self.flows:
-            if f is not None:
-                await f[0].drain()
-                await f[1].stop()
-
-
-async def _vocoder(hift, port: int, flags=()):
-    vargs = vocoder_parser().parse_args(["--port", str(port), "--metrics-port", "0", *flags])
-    server, _ = await create_vocoder(server_options(vargs), config_from_args(vargs), model=hift)
-    return server
-
-
-async def _flow(flow_model, port: int, flags=()):
-    fargs = flow_parser().parse_args(
-        ["--port", str(port), "--metrics-port", "0", "--max-wait-ms", "2", *flags]
-    )
-    server, engine, _ = create_flow(fargs, model=flow_model)
-    await server.start()
-    engine.start()
-    await server.set_serving(True)
-    return server, engine
+        for server in [self.gateway, *self.vocoders, *self.flows]:
+            if server is not None:
+                await server.drain()
 
 
 async def start_stack(
-    models, *gateway_flags, num_vocoders=1, num_flows=1, vocoder_flags=(), flow_flags=()
-):
+    models,
+    *gateway_flags,
+    num_flows=1,
+    num_vocoders=1,
+    gateway=True,
+    vocoder_flags=(),
+    flow_flags=(),
+    flow_delay=None,
+) -> Stack:
+    """`num_flows` flow servers, `num_vocoders` vocoders and (with `gateway`) a gateway routed
+    to them; `flow_delay`: see start_flow."""
     flow_model, hift = models
-    flows = [await _flow(flow_model, 0, flow_flags) for _ in range(num_flows)]
-    flow_ports = [f[0].port for f in flows]
-    vocoders = [await _vocoder(hift, 0, vocoder_flags) for _ in range(num_vocoders)]
-    ports = [v.port for v in vocoders]
-    gargs = gateway_parser().parse_args(
-        [
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--flow-addr",
-            ",".join(f"127.0.0.1:{p}" for p in flow_ports),
-            "--vocoder-addr",
-            ",".join(f"127.0.0.1:{p}" for p in ports),
-            *gateway_flags,
-        ]
-    )
-    gserver, close = create_gateway(gargs)
-    await gserver.start()
-    await gserver.set_serving(True)
+    flows = [await start_flow(flow_model, *flow_flags, delay=flow_delay) for _ in range(num_flows)]
+    vocoders = [await start_vocoder(hift, *vocoder_flags) for _ in range(num_vocoders)]
+    gserver = None
+    if gateway:
+        routes = []
+        if flows:
+            routes += ["--flow-addr", ",".join(f"127.0.0.1:{f.port}" for f in flows)]
+        if vocoders:
+            routes += ["--vocoder-addr", ",".join(f"127.0.0.1:{v.port}" for v in vocoders)]
+        gserver = await start(GatewayService(gateway_config(*routes, *gateway_flags)))
     return Stack(
         models,
         flows,
-        flow_ports,
+        [f.port for f in flows],
         vocoders,
-        ports,
+        [v.port for v in vocoders],
         gserver,
-        close,
         tuple(vocoder_flags),
         tuple(flow_flags),
     )

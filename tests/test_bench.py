@@ -173,8 +173,8 @@ def test_pass_through_flags_cannot_turn_batching_back_on(tmp_path):
         vocoder_args=("--max-batch-sessions=8",),
     )
     cmds = Stack(cfg, tmp_path).commands()
-    from flow_service.app import build_parser as flow_parser
-    from vocoder_service.__main__ import build_parser as vocoder_parser
+    from flow_service.config import build_parser as flow_parser
+    from vocoder_service.config import build_parser as vocoder_parser
 
     assert flow_parser().parse_args(cmds["flow_service"][3:]).max_batch_size == 1
     assert vocoder_parser().parse_args(cmds["vocoder_service"][3:]).max_batch_sessions == 1
@@ -368,8 +368,8 @@ def test_flow_service_bench_counts_failed_calls_and_goes_on(tmp_path):
 
 def test_vocoder_dtype_overrides_only_the_vocoder(tmp_path):
     from bench.stack import Stack, StackConfig
-    from flow_service.app import build_parser as flow_parser
-    from vocoder_service.__main__ import build_parser as vocoder_parser
+    from flow_service.config import build_parser as flow_parser
+    from vocoder_service.config import build_parser as vocoder_parser
 
     def dtypes(cfg):
         cmds = Stack(cfg, tmp_path).commands()

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from token2wav.errors import InvalidArgument, NotFound
 from token2wav.server import GrpcServer, ServerOptions
+from token2wav.service import Service
 
 HERE = Path(__file__).resolve().parent
 
@@ -122,25 +123,28 @@ async def test_error_interceptor_maps_typed_errors():
     async def bug(request, context):
         raise RuntimeError("secret stack detail")
 
-    def register(server):
-        server.add_generic_rpc_handlers(
-            (
-                grpc.method_handlers_generic_handler(
-                    "test.E",
-                    {
-                        name: grpc.unary_unary_rpc_method_handler(fn)
-                        for name, fn in {
-                            "Bad": bad_arg,
-                            "Missing": missing,
-                            "Field": field_error,
-                            "Bug": bug,
-                        }.items()
-                    },
-                ),
-            )
-        )
+    class E(Service):
+        grpc_services = ("test.E",)
 
-    srv = GrpcServer(ServerOptions(port=0), ["test.E"], register)
+        def register(self, server):
+            server.add_generic_rpc_handlers(
+                (
+                    grpc.method_handlers_generic_handler(
+                        "test.E",
+                        {
+                            name: grpc.unary_unary_rpc_method_handler(fn)
+                            for name, fn in {
+                                "Bad": bad_arg,
+                                "Missing": missing,
+                                "Field": field_error,
+                                "Bug": bug,
+                            }.items()
+                        },
+                    ),
+                )
+            )
+
+    srv = GrpcServer(ServerOptions(port=0), E(None))
     port = await srv.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:

@@ -24,6 +24,7 @@ from gateway import client as cli
 from token2wav.cli import check_device, one_line, run_main
 from token2wav.errors import InvalidArgument, StartupError
 from token2wav.server import GrpcServer, ServerOptions
+from token2wav.service import Service
 from vocoder_service.model.errors import CheckpointError as HiftCheckpointError
 from vocoder_service.model.loading import read_checkpoint
 
@@ -160,7 +161,7 @@ def _taken_port() -> socket.socket:
 
 
 def _server(port: int, metrics_port: int | None = None) -> GrpcServer:
-    return GrpcServer(ServerOptions(port=port, metrics_port=metrics_port), [], lambda s: None)
+    return GrpcServer(ServerOptions(port=port, metrics_port=metrics_port), Service(None))
 
 
 async def test_taken_ports_fail_at_start_naming_the_flag():

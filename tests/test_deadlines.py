@@ -17,6 +17,7 @@ import pytest
 import torch
 
 # the gateway tests' loopback stack and helpers (tests/ is on sys.path under pytest)
+from _stack import start_flow
 from test_gateway import (
     END,
     _call,
@@ -28,7 +29,6 @@ from test_gateway import (
     tok,
 )
 
-from flow_service.app import build_parser, create_server
 from flow_service.costmodel import CostModel, CostPrior
 from flow_service.model import load_flow
 from flow_service.scheduler import BatchPolicy, PendingCall, Scheduler
@@ -333,13 +333,8 @@ def models(flow_model):
 
 async def test_low_slack_call_overtakes_high_slack_queue_and_old_clients_work(flow_model):
     gated = GatedModel(flow_model)
-    args = build_parser().parse_args(
-        ["--port", "0", "--metrics-port", "0", "--max-batch-size", "1", "--max-wait-ms", "0"]
-    )
-    server, engine, _ = create_server(args, model=gated)
-    await server.start()
-    engine.start()
-    await server.set_serving(True)
+    server = await start_flow(gated, "--max-batch-size", "1", "--max-wait-ms", "0")
+    engine = server.service.engine
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     queued = asyncio.Event()
     add = engine.scheduler.add
@@ -390,8 +385,7 @@ async def test_low_slack_call_overtakes_high_slack_queue_and_old_clients_work(fl
     finally:
         gated.gate.set()
         await channel.close()
-        await server.drain()
-        await engine.stop()
+        await server.drain()  # stops the engine too
 
 
 # -- the gateway on loopback ------------------------------------------------------------------
@@ -463,9 +457,9 @@ class HoldFirstStep(torch.nn.Module):
 
 
 async def test_engine_preempts_for_work_whose_slack_is_below_a_step(flow_model):
-    from flow_service.app import warmup_batch
     from flow_service.engine import FlowEngine
     from flow_service.model import ChunkRequest
+    from flow_service.warmup import warmup_batch
 
     model = HoldFirstStep(flow_model)
     engine = FlowEngine(model, BatchPolicy(max_wait_ms=0.0), cuda_graphs=False)

@@ -38,9 +38,9 @@ K8S_VERSIONS = ("1.27", "1.37")
 FRAME_RATE = 50  # mel frames per second
 LONGEST_STREAM_S = MAX_FRAMES / FRAME_RATE  # 300 s: the fixed noise buffers' length
 SERVICES = {  # component -> (env prefix, gRPC port, module whose build_parser() has the flags)
-    "gateway": ("GATEWAY", 50051, "gateway.app"),
-    "flow": ("FLOW", 50052, "flow_service.app"),
-    "vocoder": ("VOCODER", 50053, "vocoder_service.__main__"),
+    "gateway": ("GATEWAY", 50051, "gateway.config"),
+    "flow": ("FLOW", 50052, "flow_service.config"),
+    "vocoder": ("VOCODER", 50053, "vocoder_service.config"),
 }
 
 

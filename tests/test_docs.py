@@ -11,9 +11,9 @@ import flow_service.metrics  # noqa: F401 - registers the flow metrics
 import gateway.metrics  # noqa: F401
 import token2wav.server  # noqa: F401 - the bootstrap's call metrics
 import vocoder_service.metrics  # noqa: F401
-from flow_service.app import build_parser as flow_parser
-from gateway.app import build_parser as gateway_parser
-from vocoder_service.__main__ import build_parser as vocoder_parser
+from flow_service.config import build_parser as flow_parser
+from gateway.config import build_parser as gateway_parser
+from vocoder_service.config import build_parser as vocoder_parser
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 

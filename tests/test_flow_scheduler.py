@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 
 import pytest
 
@@ -112,18 +111,26 @@ def test_urgent_request_is_never_answered_after_the_runner_gave_up():
 def test_urgent_request_answered_while_the_runner_times_out_is_still_received():
     """The loop has taken calls out of the queue (lock held) when the runner's wait times out:
     the runner must still get that plan, or those calls would never finish."""
+
+    class TimesOut(threading.Event):
+        """The runner's wait for an answer times out at once, and says so."""
+
+        def __init__(self):
+            super().__init__()
+            self.timed_out = threading.Event()
+
+        def wait(self, timeout=None):
+            self.timed_out.set()
+            return False
+
     ask = _UrgentRequest()
+    ask._answered = TimesOut()
     plan = Plan([call(200, first=True)], 200)
-    opened = threading.Event()
-
-    def loop_side():
-        assert ask.open()
-        opened.set()
-        time.sleep(0.2)  # past the runner's timeout, with the lock held
-        ask.deliver(plan)
-
-    t = threading.Thread(target=loop_side)
-    t.start()
-    opened.wait(5)
-    assert ask.wait(timeout=0.01) is plan
-    t.join()
+    assert ask.open()  # this thread is the loop: it holds the lock, taking calls
+    got = []
+    runner = threading.Thread(target=lambda: got.append(ask.wait(timeout=5.0)))
+    runner.start()
+    assert ask._answered.timed_out.wait(5)  # the runner gave up waiting for the answer...
+    ask.deliver(plan)  # ...while the loop, lock held, was about to deliver it
+    runner.join(5)
+    assert got == [plan]

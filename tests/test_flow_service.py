@@ -12,8 +12,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from _stack import start_flow
 
-from flow_service.app import build_parser, create_server
 from flow_service.engine import FlowEngine
 from flow_service.model import ChunkRequest, Voice, load_flow
 from flow_service.scheduler import BatchPolicy
@@ -79,19 +79,14 @@ async def until(condition, timeout: float = 30.0) -> None:
 
 
 async def start(model, *flags):
-    args = build_parser().parse_args(["--port", "0", "--metrics-port", "0", *flags])
-    server, engine, warmup = create_server(args, model=model)
-    await server.start()
-    engine.start()
-    await server.set_serving(True)
+    server = await start_flow(model, *flags)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    return server, engine, channel
+    return server, server.service.engine, channel
 
 
 async def stop(server, engine, channel):
     await channel.close()
-    await server.drain()
-    await engine.stop()
+    await server.drain()  # stops the engine too
 
 
 def make_stream(seed: int, n_prompt: int, n_tokens: int):
@@ -261,11 +256,12 @@ async def test_cancel_and_deadline_leave_others_intact(model):
             for i, (v, t) in enumerate(streams)
         ]
         blocker = stub.Generate(reqs[0], timeout=30)  # occupies the runner
-        await asyncio.sleep(0.05)
+        await until(lambda: slow.batch_sizes)  # the runner holds it
         keep = [stub.Generate(r, timeout=30) for r in reqs[1:5]]
         cancelled = [stub.Generate(r, timeout=30) for r in reqs[5:7]]
         expiring = stub.Generate(reqs[7], timeout=0.1)
-        await asyncio.sleep(0.05)
+        queued = lambda: {c.payload.cache_key for c in engine.scheduler.waiting}  # noqa: E731
+        await until(lambda: {"c5", "c6"} <= queued())  # the calls to cancel wait in the queue
         for c in cancelled:
             c.cancel()
         results = await asyncio.gather(blocker, *keep, expiring, *cancelled, return_exceptions=True)
@@ -275,8 +271,7 @@ async def test_cancel_and_deadline_leave_others_intact(model):
         assert isinstance(results[5], grpc.aio.AioRpcError)
         assert results[5].code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert all(isinstance(r, asyncio.CancelledError) for r in results[6:])
-        await asyncio.sleep(0.5)
-        assert len(engine.scheduler) == 0  # nothing left behind in the queue
+        await until(lambda: len(engine.scheduler) == 0)  # nothing left behind in the queue
         assert sum(slow.batch_sizes) <= 6  # cancelled/expired calls never reached the model
     finally:
         await stop(server, engine, channel)
@@ -291,7 +286,7 @@ async def test_overload_is_rejected_quickly(model):
         voice, tokens = make_stream(9, 10, 20)
         req = request_for(voice, tokens, 0, False, True)
         first = [stub.Generate(req, timeout=30) for _ in range(4)]  # 1 running + 3 queued
-        await asyncio.sleep(0.2)
+        await until(lambda: len(engine.scheduler) == 3)
         t0 = time.perf_counter()
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.Generate(req, timeout=30)

@@ -314,9 +314,10 @@ def test_services_start_without_the_extra_and_the_front_end_names_it(tmp_path):
     code = f"""
 import sys
 sys.modules.update(onnxruntime=None, kaldi_native_fbank=None, soundfile=None)
-from gateway.app import build_parser, create_server
+from gateway.config import GatewayConfig, build_parser
+from gateway.service import GatewayService
 import gateway.client
-create_server(build_parser().parse_args([]))
+GatewayService(GatewayConfig.from_args(build_parser().parse_args([])))
 from token2wav.frontend import Frontend, FrontendUnavailable
 try:
     Frontend.from_dir({str(tmp_path)!r})

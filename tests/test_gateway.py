@@ -7,28 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
 import pytest
 import torch
+from _reference import reference_synthesis
+from _stack import start_stack, stream_inputs
 
-from flow_service.app import build_parser as flow_parser
-from flow_service.app import create_server as create_flow
 from flow_service.model import load_flow
-from gateway.app import build_parser as gateway_parser
-from gateway.app import create_server as create_gateway
 from gateway.client import AsyncClient, load_voice, make_sample, run_synthesis
-from gateway.reference import reference_synthesis
 from token2wav import SAMPLES_PER_TOKEN
-from token2wav.server import ServerOptions
 from token2wav.tensors import make_voice
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
-from vocoder_service.__main__ import build_parser as vocoder_parser
-from vocoder_service.__main__ import config_from_args
 from vocoder_service.model import load_hift
-from vocoder_service.server import create_server as create_vocoder
 
 torch.set_num_threads(1)
 
@@ -36,81 +28,6 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module")
 def models():
     return load_flow(None, preset="small"), load_hift(None, preset="small")
-
-
-@dataclass
-class Stack:
-    flow_server: object
-    engine: object
-    vocoder_server: object
-    gateway_server: object
-    close_gateway: object
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.gateway_server.port}"
-
-    @property
-    def sessions(self) -> set[str]:
-        """Open vocoder sessions, by the client request id they serve (keys add a nonce)."""
-        return {rid.rsplit(":", 1)[0] for rid in self.vocoder_server.service.manager._active}
-
-    async def stop(self):
-        await self.gateway_server.drain()
-        await self.close_gateway()
-        await self.vocoder_server.drain()
-        await self.flow_server.drain()
-        await self.engine.stop()
-
-
-async def start_stack(models, *gateway_flags, flow_delay=None, flow_flags=()):
-    flow_model, hift = models
-    fargs = flow_parser().parse_args(
-        ["--port", "0", "--metrics-port", "0", "--max-wait-ms", "2", *flow_flags]
-    )
-    fserver, engine, _ = create_flow(fargs, model=flow_model)
-    await fserver.start()
-    engine.start()
-    await fserver.set_serving(True)
-    if flow_delay is not None:  # inject per-chunk delays in front of the flow engine
-        submit = engine.submit
-
-        async def delayed(request, *args, **kw):
-            await asyncio.sleep(flow_delay(request))
-            return await submit(request, *args, **kw)
-
-        engine.submit = delayed
-    vargs = vocoder_parser().parse_args(["--port", "0", "--metrics-port", "0"])
-    vserver, vport = await create_vocoder(
-        ServerOptions.from_args(vargs), config_from_args(vargs), model=hift
-    )
-    gargs = gateway_parser().parse_args(
-        [
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--flow-addr",
-            f"127.0.0.1:{fserver.port}",
-            "--vocoder-addr",
-            f"127.0.0.1:{vport}",
-            *gateway_flags,
-        ]
-    )
-    gserver, close = create_gateway(gargs)
-    await gserver.start()
-    await gserver.set_serving(True)
-    return Stack(fserver, engine, vserver, gserver, close)
-
-
-def stream_inputs(seed, n_prompt, n_tokens):
-    rng = np.random.default_rng(seed)
-    voice = make_voice(
-        rng.integers(0, 6561, n_prompt),
-        (rng.standard_normal((2 * n_prompt, 80)) - 4).astype(np.float32),
-        rng.standard_normal(192).astype(np.float32),
-    )
-    return voice, rng.integers(0, 6561, n_tokens)
 
 
 def snr_db(out, ref):
@@ -185,7 +102,7 @@ async def test_concurrent_streams_equal_reference(models):
             limit = 40 if i == 8 else 60  # PCM16 quantisation caps one stream's SNR
             assert snr_db(out, ref) >= limit, (i, snr_db(out, ref))
             assert all(c.timing.flow_batch_size >= 1 for c in chunks)
-        assert not stack.sessions  # every session finalized and closed
+        assert not stack.sessions()  # every session finalized and closed
     finally:
         await stack.stop()
 
@@ -231,12 +148,12 @@ async def test_client_cancel_drops_session_and_flow_calls(models):
             )
             first = await victim.__aiter__().__anext__()
             assert first.seq == 0
-            assert "victim" in stack.sessions
+            assert "victim" in stack.sessions()
             victim.cancel()
             t0 = time.monotonic()
-            while "victim" in stack.sessions and time.monotonic() - t0 < 1.0:
+            while "victim" in stack.sessions() and time.monotonic() - t0 < 1.0:
                 await asyncio.sleep(0.02)
-            assert "victim" not in stack.sessions, "vocoder session outlived the cancel by 1 s"
+            assert "victim" not in stack.sessions(), "vocoder session outlived the cancel by 1 s"
             chunks = await other
         check_exactly_once(chunks, len(other_tokens))
         ref = np.concatenate(reference_synthesis(*models, other_voice, other_tokens))

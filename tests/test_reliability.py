@@ -194,11 +194,12 @@ async def test_request_id_with_a_newline_is_refused_by_flow(models):
 async def test_taken_port_fails_at_start_naming_it(models):
     from token2wav.errors import StartupError
     from token2wav.server import GrpcServer, ServerOptions
+    from token2wav.service import Service
 
-    first = GrpcServer(ServerOptions(port=0), [], lambda s: None)
+    first = GrpcServer(ServerOptions(port=0), Service(None))
     port = await first.start()
     try:
-        second = GrpcServer(ServerOptions(port=port), [], lambda s: None)
+        second = GrpcServer(ServerOptions(port=port), Service(None))
         with pytest.raises(StartupError, match=f"127.0.0.1:{port}"):
             await second.start()
     finally:
@@ -386,7 +387,7 @@ async def test_flow_replica_down_then_back_gets_traffic(models):
             for _ in range(3):
                 assert audio(await collect(client, voice, tokens)).size == 60 * SAMPLES_PER_TOKEN
             await stack.start_flow(0)
-            calls = count_calls(stack.flows[0][1])
+            calls = count_calls(stack.flows[0].service.engine)
             back = time.monotonic()
             while not calls[0] and time.monotonic() - back < 10:
                 assert audio(await collect(client, voice, tokens)).size == 60 * SAMPLES_PER_TOKEN
@@ -484,11 +485,11 @@ def test_voices_are_owned_by_their_clients():
 
 
 def test_message_caps_fit_the_largest_legal_messages():
-    from flow_service.app import build_parser as flow_parser
-    from gateway.app import build_parser as gateway_parser
+    from flow_service.config import build_parser as flow_parser
+    from gateway.config import build_parser as gateway_parser
     from token2wav import MAX_FRAMES, MAX_PROMPT_TOKENS
     from token2wav.tensors import make_voice
-    from vocoder_service.__main__ import build_parser as vocoder_parser
+    from vocoder_service.config import build_parser as vocoder_parser
 
     caps = {
         name: build().parse_args([]).max_message_mb << 20

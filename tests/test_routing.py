@@ -14,9 +14,11 @@ from gateway.routing import ReplicaSet, parse_spec, rendezvous, rendezvous_order
 METHOD = "/t2w.test.Slow/Wait"
 
 
-async def _slow_server(delay_s: float) -> tuple[grpc.aio.Server, int]:
+async def _slow_server(delay_s: float, arrived: asyncio.Event | None = None):
     async def wait(request: bytes, context) -> bytes:
-        await asyncio.sleep(delay_s)
+        if arrived is not None:
+            arrived.set()
+        await asyncio.sleep(delay_s)  # the work the call stands for
         return b"done:" + request
 
     handler = grpc.method_handlers_generic_handler(
@@ -27,6 +29,15 @@ async def _slow_server(delay_s: float) -> tuple[grpc.aio.Server, int]:
     port = server.add_insecure_port("0.0.0.0:0")  # 127.0.0.1 and 127.0.0.2 both reach it
     await server.start()
     return server, port
+
+
+async def _until(condition, timeout: float = 10.0) -> None:
+    """Yield to the loop until `condition()` holds; fail after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
 
 
 def _fake_dns(monkeypatch, answers: dict[str, list[str]]) -> None:
@@ -46,14 +57,15 @@ async def _call_through(replicas: ReplicaSet, addr: str, payload: bytes) -> byte
 
 
 async def _start_call_on_leaving_replica(monkeypatch, grace_s: float, delay_s: float):
-    server, port = await _slow_server(delay_s)
+    arrived = asyncio.Event()
+    server, port = await _slow_server(delay_s, arrived)
     answers = {"replicas.test": ["127.0.0.1", "127.0.0.2"]}
     _fake_dns(monkeypatch, answers)
     replicas = ReplicaSet(f"dns:///replicas.test:{port}", refresh_s=0.0, retire_grace_s=grace_s)
     assert await replicas.addresses() == [f"127.0.0.1:{port}", f"127.0.0.2:{port}"]
     leaving = f"127.0.0.2:{port}"
     call = asyncio.create_task(_call_through(replicas, leaving, b"x"))
-    await asyncio.sleep(0.3)  # the call is on the wire before the replica leaves
+    await asyncio.wait_for(arrived.wait(), 10)  # the call is in before the replica leaves
     answers["replicas.test"] = ["127.0.0.1"]
     assert await replicas.addresses() == [f"127.0.0.1:{port}"]
     assert replicas.num_retiring == 1
@@ -67,11 +79,7 @@ async def test_call_on_a_replica_that_left_dns_finishes(monkeypatch):
     )
     try:
         assert await call == b"done:x"
-        for _ in range(50):  # the channel closes once its last call ends
-            if replicas.num_retiring == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert replicas.num_retiring == 0
+        await _until(lambda: replicas.num_retiring == 0)  # closes once its last call ends
         # New calls go to the replica still in DNS.
         addr = await replicas.pick("some-request-id")
         assert addr.startswith("127.0.0.1:")
@@ -90,8 +98,7 @@ async def test_retire_grace_bounds_how_long_a_leaving_replica_is_kept(monkeypatc
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(call, timeout=3.0)
         assert call.cancelled() or isinstance(call.exception(), asyncio.CancelledError)
-        await asyncio.sleep(0.05)
-        assert replicas.num_retiring == 0
+        await _until(lambda: replicas.num_retiring == 0)
     finally:
         await replicas.close()
         await server.stop(None)
@@ -233,7 +240,7 @@ async def test_flow_calls_of_a_stream_stick_to_one_replica_and_fail_over(monkeyp
                 streaming=True,
                 timeout=10,
             )
-            assert out.mel.shape == (80, 20)
+            assert out.num_frames == 20 and list(out.mel.shape) == [80, 20]
 
     try:
         rids = [f"stream-{i}" for i in range(12)]

@@ -188,9 +188,9 @@ def test_compose_tls_overlay(tmp_path):
 
     import yaml
 
-    from flow_service.app import build_parser as flow_parser
-    from gateway.app import build_parser as gateway_parser
-    from vocoder_service.__main__ import build_parser as vocoder_parser
+    from flow_service.config import build_parser as flow_parser
+    from gateway.config import build_parser as gateway_parser
+    from vocoder_service.config import build_parser as vocoder_parser
 
     overlay = yaml.safe_load((ROOT / "deploy/compose.tls.yml").read_text())
     parsers = {"flow": flow_parser(), "vocoder": vocoder_parser(), "gateway": gateway_parser()}

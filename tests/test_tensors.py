@@ -8,6 +8,7 @@ from token2wav.errors import InvalidArgument
 from token2wav.tensors import (
     INT_DTYPES,
     WIRE_DTYPES,
+    check_header,
     decode,
     decode_tokens,
     decode_voice,
@@ -149,3 +150,13 @@ def test_voice_nan_rejected_on_the_wire():
     with pytest.raises(InvalidArgument) as info:
         decode_voice(msg)
     assert info.value.field == "voice.prompt_feat"
+
+
+def test_check_header_validates_without_decoding():
+    msg = encode(np.zeros((80, 3), np.float32))
+    assert check_header(msg, "mel", shape=(80, None)) == [80, 3]
+    msg.data = msg.data[:-4]
+    with pytest.raises(InvalidArgument, match="mel: 956 data bytes"):
+        check_header(msg, "mel", shape=(80, None))
+    with pytest.raises(InvalidArgument, match="dimension 0 is 3"):
+        check_header(encode(np.zeros((3, 80), np.float32)), "mel", shape=(80, None))

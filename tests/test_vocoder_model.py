@@ -383,7 +383,7 @@ def test_bad_row_rejected_alone(small):
     for states, mels, fins, field in cases:
         with pytest.raises(InvalidInput) as info:
             small.step(states, mels, fins)
-        assert info.value.field == field and info.value.row == 1
+        assert info.value.field == field and info.value.slot == 1
     assert good.to_bytes() == before  # validation happens before any state changes
 
 

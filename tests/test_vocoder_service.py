@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
 from token2wav.server import ServerOptions
+from token2wav.service import start
 from token2wav.tensors import decode, encode
 from token2wav.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 from vocoder_service.batcher import Batcher
@@ -34,7 +35,7 @@ from vocoder_service.model import (
     load_hift,
 )
 from vocoder_service.runner import HiFTRunner, StepOutput
-from vocoder_service.server import VocoderService, create_server
+from vocoder_service.service import VocoderService
 
 ROOT = Path(__file__).resolve().parent.parent
 Code = grpc.StatusCode
@@ -110,11 +111,13 @@ async def serve(model):
 
     async def make(hift=None, **kw) -> Client:
         batch = {k: kw.pop(k) for k in ("max_batch_sessions", "max_wait_ms") if k in kw}
-        cfg = VocoderServiceConfig(sessions=SessionConfig(**kw), batcher=BatcherConfig(**batch))
-        srv, port = await create_server(
-            ServerOptions(port=0, grace_period=1), cfg, model=hift or model
+        cfg = VocoderServiceConfig(
+            sessions=SessionConfig(**kw),
+            batcher=BatcherConfig(**batch),
+            server=ServerOptions(port=0, grace_period=1),
         )
-        ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        srv = await start(VocoderService(cfg, model=hift or model))
+        ch = grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}")
         made.append((srv, ch))
         return Client(srv, ch)
 
@@ -270,14 +273,28 @@ async def test_caps_answer_resource_exhausted(serve):
     assert [m.seq for m in answers] == [1, 2, 3] and answers[-1].is_final
 
 
+async def until(condition, timeout: float = 30.0) -> None:
+    """Yield to the loop until `condition()` holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+def active_after(manager, request_id: str, idle_s: float) -> int:
+    """Open sessions after a sweep `idle_s` seconds after `request_id`'s last chunk."""
+    manager.sweep(now=manager._active[request_id].last_active + idle_s)
+    return manager.stats()["num_active"]
+
+
 async def test_idle_session_is_evicted_and_unknown_ids_are_not_found(serve):
-    c = await serve(idle_timeout_s=0.3, sweep_interval_s=0.05)
+    c = await serve(idle_timeout_s=0.3, sweep_interval_s=600)  # sweeps only when the test says
     before = metric("t2w_vocoder_evictions_total", reason="idle")
     m10 = make_mel(15, 10)
     await c.run([chunk("idle", 0, m10)])
-    assert c.manager.stats()["num_active"] == 1
-    await asyncio.sleep(0.6)
-    assert c.manager.stats()["num_active"] == 0
+    await until(lambda: "idle" not in c.manager._streams)  # the server saw the stream end
+    assert active_after(c.manager, "idle", 0.29) == 1
+    assert active_after(c.manager, "idle", 0.31) == 0
     assert metric("t2w_vocoder_evictions_total", reason="idle") == before + 1
     assert "no session" in await c.fails([chunk("idle", 1, m10)], Code.NOT_FOUND)
     await c.fails([chunk("never-opened", 3, m10)], Code.NOT_FOUND)
@@ -286,14 +303,13 @@ async def test_idle_session_is_evicted_and_unknown_ids_are_not_found(serve):
 async def test_open_stream_keeps_its_session_past_the_idle_timeout(serve, model):
     """A caller whose stream stays open is waiting on upstream work (a busy flow service),
     not gone: its session is not evicted; once the stream ends, the idle clock runs."""
-    c = await serve(idle_timeout_s=0.3, sweep_interval_s=0.05)
+    c = await serve(idle_timeout_s=0.3, sweep_interval_s=600)  # sweeps only when the test says
     mel = make_mel(18, 40)
     msgs = chunks_of("slow", split(mel, [20, 20]))
     call = c.stub.Session(timeout=30)
     await call.write(msgs[0])
     first = await call.read()
-    await asyncio.sleep(0.7)  # > 2 idle timeouts with the stream open
-    assert c.manager.stats()["num_active"] == 1
+    assert active_after(c.manager, "slow", 0.7) == 1  # > 2 idle timeouts, the stream open
     await call.write(msgs[1])
     last = await call.read()
     assert last.is_final
@@ -305,10 +321,9 @@ async def test_open_stream_keeps_its_session_past_the_idle_timeout(serve, model)
     await call.read()
     await call.done_writing()
     assert await call.read() == grpc.aio.EOF
-    await asyncio.sleep(0.1)
-    assert c.manager.stats()["num_active"] == 1
-    await asyncio.sleep(0.6)
-    assert c.manager.stats()["num_active"] == 0
+    await until(lambda: "left" not in c.manager._streams)  # the server saw the stream end
+    assert active_after(c.manager, "left", 0.1) == 1
+    assert active_after(c.manager, "left", 0.31) == 0
 
 
 async def test_resume_after_the_transport_stream_is_cut(serve, model):
@@ -645,7 +660,7 @@ def test_export_envelope_round_trips_and_rejects_damage(model):
 
 
 def test_cli_flags_mirror_env(monkeypatch):
-    from vocoder_service.__main__ import build_parser, config_from_args
+    from vocoder_service.config import build_parser
 
     monkeypatch.setenv("VOCODER_MAX_BATCH_SESSIONS", "1")
     monkeypatch.setenv("VOCODER_MODEL_DIR", "")  # compose writes empty values for "unset"
@@ -653,13 +668,13 @@ def test_cli_flags_mirror_env(monkeypatch):
     monkeypatch.setenv("VOCODER_PHASE_MODE", "upstream")
     parser = build_parser()
     args = parser.parse_args(["--idle-timeout", "7"])
-    cfg = config_from_args(args)
+    cfg = VocoderServiceConfig.from_args(args)
     assert cfg.batcher.max_batch_sessions == 1 and cfg.sessions.idle_timeout_s == 7
     assert cfg.model.model_dir is None and cfg.model.preset is None
     assert cfg.model.phase_mode == "upstream"
-    assert config_from_args(parser.parse_args(["--phase-mode", "exact"])).model.phase_mode == (
-        "exact"
-    )
+    assert VocoderServiceConfig.from_args(
+        parser.parse_args(["--phase-mode", "exact"])
+    ).model.phase_mode == ("exact")
     assert args.port == 50053 and args.metrics_port == 9103
     text = " ".join(parser.format_help().split())
     flags = "--model-dir --preset --device --dtype --phase-mode --max-sessions --gap-timeout"
@@ -669,9 +684,9 @@ def test_cli_flags_mirror_env(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["exact", "upstream"])
 def test_phase_mode_reaches_the_model(mode):
-    from vocoder_service.__main__ import build_parser, config_from_args
+    from vocoder_service.config import build_parser
 
-    cfg = config_from_args(build_parser().parse_args(["--phase-mode", mode]))
+    cfg = VocoderServiceConfig.from_args(build_parser().parse_args(["--phase-mode", mode]))
     service = VocoderService(cfg)  # loads the model as `python -m vocoder_service` does
     assert service.model.cfg.phase_mode == mode
     assert service.model.new_session().fingerprint.endswith(f"phase-{mode}")
@@ -721,3 +736,17 @@ def test_python_m_vocoder_service_serves_and_drains():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_digest_of_received_bytes_equals_digest_of_decoded_mel():
+    """The servicer hashes the bytes it received; a chunk built from an array (tests, import)
+    must get the same digest, or a retry would look like a different chunk."""
+    from vocoder_service.chunks import chunk_digest, mel_digest
+    from vocoder_service.servicer import chunk_from_proto
+
+    mel = np.random.default_rng(3).standard_normal((80, 7)).astype(np.float32)
+    wire = encode(mel)
+    assert mel_digest(7, wire.data, False) == chunk_digest(mel, False)
+    assert mel_digest(7, wire.data, True) != chunk_digest(mel, False)
+    msg = vocoder_pb2.VocoderChunk(request_id="r", seq=0, mel=wire)
+    assert chunk_from_proto(msg, SessionConfig(), 10).digest == chunk_digest(mel, False)

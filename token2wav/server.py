@@ -15,8 +15,8 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,6 +26,9 @@ from prometheus_client import Counter, Histogram, start_http_server
 
 from token2wav.errors import BadMessage, StartupError, status_for
 from token2wav.security import server_credentials
+
+if TYPE_CHECKING:
+    from token2wav.service import Service
 
 logger = logging.getLogger(__name__)
 
@@ -242,21 +245,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 class GrpcServer:
-    """One service process: `await start()`, warm up, `set_serving(True)`, then `wait()`.
+    """The listener of one service process (`token2wav.service.Service`): `await start()`, then
+    the service warms up, `set_serving(True)`, and `drain()` ends both.
 
-    `register(server)` adds the servicers (e.g. `add_FlowServicer_to_server`); `service_names`
-    are their full names, used for health and reflection.
+    The service's `register(server)` adds its servicers; its `grpc_services` are their full
+    names, used for health and reflection; its `stop()` runs after the listener drained.
     """
 
-    def __init__(
-        self,
-        options: ServerOptions,
-        service_names: Iterable[str],
-        register: Callable[[grpc.aio.Server], None],
-    ):
+    def __init__(self, options: ServerOptions, service: Service):
         self.options = options
-        self.service_names = list(service_names)
-        self._register = register
+        self.service = service
+        self.service_names = list(service.grpc_services)
         self.server: grpc.aio.Server | None = None
         self.health = HealthServicer()
         self.port = 0
@@ -272,7 +271,7 @@ class GrpcServer:
             # two split the connections; without it a taken port fails here, at start.
             options=[*channel_options(opts.max_message_mb), ("grpc.so_reuseport", 0)],
         )
-        self._register(self.server)
+        self.service.register(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if opts.reflection:
             reflection.enable_server_reflection(
@@ -342,23 +341,36 @@ class GrpcServer:
 
     async def drain(self) -> None:
         """NOT_SERVING, wait the drain delay, then stop(grace): in-flight calls finish, new ones
-        get UNAVAILABLE, and whatever is still running when the grace ends is cancelled."""
+        get UNAVAILABLE, and whatever is still running when the grace ends is cancelled; then
+        the service's background work stops."""
         await self.set_serving(False)
         if self.options.drain_delay > 0:
             await asyncio.sleep(self.options.drain_delay)
+        await self._close(self.options.grace_period)
+        logger.info("stopped")
+
+    async def kill(self) -> None:
+        """Stop at once, as a crashed process would: every call on it ends now (tests)."""
+        await self._close(None)
+
+    async def _close(self, grace: float | None) -> None:
         if self.server is not None:
-            await self.server.stop(self.options.grace_period)
+            await self.server.stop(grace)
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
             self._metrics_httpd = None
-        logger.info("stopped")
+        await self.service.stop()
 
-    async def run(self, warmup: Callable[[], Awaitable[None]] | None = None) -> None:
+    async def run(self) -> None:
         """The whole life of a service process; returns after a signal-initiated drain."""
-        await self.start()
-        self.install_signal_handlers()
-        if warmup is not None:
-            await warmup()
+        try:
+            await self.start()
+            self.install_signal_handlers()
+            self.service.start()
+            await self.service.warmup()
+        except BaseException:
+            await self._close(None)
+            raise
         if not self._stop.is_set():
             await self.set_serving(True)
             logger.info("SERVING")

@@ -13,6 +13,7 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -52,20 +53,17 @@ def encode(array: np.ndarray | torch.Tensor) -> pb.Tensor:
     return pb.Tensor(dtype=wire, shape=list(array.shape), data=data)
 
 
-def decode(
+def check_header(
     msg: pb.Tensor,
     field: str,
     *,
     dtypes: Sequence[int] = FLOAT_DTYPES,
     shape: Sequence[int | None] | None = None,
-    finite: bool = True,
     max_bytes: int = MAX_TENSOR_BYTES,
     required: bool = True,
-) -> np.ndarray:
-    """Decode and validate one tensor field; returns a read-only-safe native-endian copy.
-
-    `shape` fixes the rank; an int entry fixes that dimension, None leaves it free.
-    """
+) -> list[int]:
+    """Validate one tensor field's dtype, shape and byte count without touching its values;
+    returns its shape. For a tensor that is forwarded as it came (the gateway's mel)."""
     if required and not msg.ByteSize():
         raise InvalidArgument(field, "required tensor is missing")
     if msg.dtype not in WIRE_DTYPES:
@@ -85,15 +83,36 @@ def decode(
         for i, (got, want) in enumerate(zip(dims, shape, strict=True)):
             if want is not None and got != want:
                 raise InvalidArgument(field, f"dimension {i} is {got}, want {want} (shape {dims})")
-    np_dtype = WIRE_DTYPES[msg.dtype]
-    expected = math.prod(dims) * np_dtype.itemsize
+    itemsize = WIRE_DTYPES[msg.dtype].itemsize
+    expected = math.prod(dims) * itemsize
     if expected > max_bytes:
         raise InvalidArgument(field, f"{expected} bytes exceeds the {max_bytes}-byte limit")
     if len(msg.data) != expected:
         raise InvalidArgument(
             field,
-            f"{len(msg.data)} data bytes, but shape {dims} x {np_dtype.itemsize} needs {expected}",
+            f"{len(msg.data)} data bytes, but shape {dims} x {itemsize} needs {expected}",
         )
+    return dims
+
+
+def decode(
+    msg: pb.Tensor,
+    field: str,
+    *,
+    dtypes: Sequence[int] = FLOAT_DTYPES,
+    shape: Sequence[int | None] | None = None,
+    finite: bool = True,
+    max_bytes: int = MAX_TENSOR_BYTES,
+    required: bool = True,
+) -> np.ndarray:
+    """Decode and validate one tensor field; returns a read-only-safe native-endian copy.
+
+    `shape` fixes the rank; an int entry fixes that dimension, None leaves it free.
+    """
+    dims = check_header(
+        msg, field, dtypes=dtypes, shape=shape, max_bytes=max_bytes, required=required
+    )
+    np_dtype = WIRE_DTYPES[msg.dtype]
     array = np.frombuffer(msg.data, dtype=np_dtype).reshape(dims).astype(np_dtype.newbyteorder("="))
     if finite and array.dtype.kind == "f" and array.size and not np.isfinite(array).all():
         bad = int(np.flatnonzero(~np.isfinite(array.reshape(-1)))[0])
@@ -132,9 +151,9 @@ class VoiceData:
     def num_prompt_tokens(self) -> int:
         return int(self.prompt_token.shape[0])
 
-    @property
+    @cached_property
     def voice_id(self) -> str:
-        """Content address: equal tensors give equal ids on every replica."""
+        """Content address: equal tensors give equal ids on every replica (hashed once)."""
         h = hashlib.blake2b(digest_size=16)
         for part in (
             self.prompt_token.astype("<i8"),

@@ -11,21 +11,22 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
-
-from token2wav.errors import check_request_id  # noqa: F401 - re-exported to the servicer
-
-if TYPE_CHECKING:
-    from vocoder_service.sessions import Session
 
 
 def chunk_digest(mel: np.ndarray, finalize: bool) -> bytes:
     """What makes two chunks under one seq "the same": frames, values and the finalize flag."""
+    data = np.ascontiguousarray(mel, dtype="<f4").tobytes()
+    return mel_digest(int(mel.shape[1]), data, finalize)
+
+
+def mel_digest(num_frames: int, data: bytes, finalize: bool) -> bytes:
+    """`chunk_digest` of a mel given as its little-endian float32 bytes (as on the wire)."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{mel.shape[1]}:{int(finalize)}:".encode())
-    h.update(np.ascontiguousarray(mel, dtype="<f4").tobytes())
+    h.update(f"{num_frames}:{int(finalize)}:".encode())
+    h.update(data)
     return h.digest()
 
 
@@ -41,7 +42,7 @@ class Chunk:
     arrival: float = field(default_factory=time.monotonic)
     ready_at: float = 0.0  # when it became the next applicable chunk of its session
     future: asyncio.Future | None = None  # -> ChunkAudio; shared by duplicates of this seq
-    session: Session | None = None  # the session object it was admitted to
+    session: Any = None  # the sessions.Session it was admitted to (no import: no circle)
     due: float = math.inf  # playback deadline on the manager's clock (from slack_ms); inf: none
 
     def __post_init__(self):

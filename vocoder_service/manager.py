@@ -42,9 +42,10 @@ from token2wav.errors import (
     ResourceExhausted,
     ServiceError,
     Unavailable,
+    check_request_id,
 )
 from vocoder_service import metrics
-from vocoder_service.chunks import Chunk, ChunkAudio, check_request_id
+from vocoder_service.chunks import Chunk, ChunkAudio
 from vocoder_service.config import SessionConfig
 from vocoder_service.export import RetryEntry, SessionSnapshot
 from vocoder_service.sessions import Session, SessionStatus

@@ -22,8 +22,6 @@ from token2wav.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def is_input_error(exc: BaseException) -> bool:
     """A caller mistake the model detected before touching any state."""
@@ -88,13 +86,13 @@ class HiFTRunner:
                     out.audio[i] = _to_numpy(a)
                 return
             except Exception as exc:  # noqa: BLE001 - sorted into input errors and failures
-                row = getattr(exc, "row", None)
-                if is_input_error(exc) and isinstance(row, int) and 0 <= row < len(slots):
-                    i = slots.pop(row)
+                bad = getattr(exc, "slot", None)  # the culprit's index in this step's list
+                if is_input_error(exc) and isinstance(bad, int) and 0 <= bad < len(slots):
+                    i = slots.pop(bad)
                     out.errors[i], out.fatal[i] = _client_error(exc)
                     continue
                 if is_input_error(exc) and len(slots) > 1:
-                    for i in slots:  # no row given: find the culprit(s) one by one
+                    for i in slots:  # no slot given: find the culprit(s) one by one
                         self._run_slots([i], states, mels, finalize, out)
                     return
                 if not is_input_error(exc):

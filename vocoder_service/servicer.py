@@ -20,11 +20,11 @@ import logging
 import numpy as np
 
 from token2wav import MEL_BINS
-from token2wav.errors import InvalidArgument
+from token2wav.errors import InvalidArgument, check_request_id
 from token2wav.server import request_id_var
 from token2wav.tensors import decode, encode
 from token2wav.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
-from vocoder_service.chunks import Chunk, ChunkAudio, check_request_id
+from vocoder_service.chunks import Chunk, ChunkAudio, mel_digest
 from vocoder_service.config import MEL_FRAME_BYTES, SessionConfig
 from vocoder_service.export import pack_session, unpack_session
 from vocoder_service.manager import SessionManager
@@ -52,7 +52,10 @@ def chunk_from_proto(msg: vocoder_pb2.VocoderChunk, cfg: SessionConfig, max_seq:
         )
         if mel.shape[1] == 0 and not msg.finalize:
             raise InvalidArgument("mel", "0 frames; only a finalize chunk may be empty")
-    return Chunk(request_id, int(msg.seq), mel, bool(msg.finalize))
+    finalize = bool(msg.finalize)
+    # the digest of the bytes received: the same as chunk_digest(mel), without re-encoding
+    digest = mel_digest(int(mel.shape[1]), msg.mel.data, finalize)
+    return Chunk(request_id, int(msg.seq), mel, finalize, digest)
 
 
 def audio_to_proto(out: ChunkAudio) -> vocoder_pb2.VocoderAudio:

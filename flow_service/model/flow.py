@@ -28,7 +28,8 @@ from torch import nn
 from flow_service.model.config import MEL_BINS, NOISE_SEED, FlowConfig
 from flow_service.model.dit import DiT, attention_bias
 from flow_service.model.prefix_cache import PrefixCache, solve_with_prefix
-from flow_service.model.requests import ChunkRequest, InvalidInput, validate_chunk
+from flow_service.model.requests import ChunkRequest, validate_chunk
+from token2wav.invalid import InvalidInput
 
 # (x, mu, cond, spks, t, attn_bias, frame_mask) -> velocity; the DiT itself or a graphed replay
 Estimator = Callable[..., torch.Tensor]
@@ -189,7 +190,9 @@ class FlowModel(nn.Module):
             try:
                 validate_chunk(req, self.cfg.vocab_size)
             except InvalidInput as exc:
-                raise exc.in_slot(slot) from None
+                raise InvalidInput(
+                    exc.field, exc.problem, slot, f"chunks[{slot}].{exc.field}"
+                ) from None
 
     def prepare(self, chunks: Sequence[ChunkRequest], frame_multiple: int = 1) -> FlowBatch:
         """Validate and lay out a batch (right padding). `frame_multiple` rounds the padded

@@ -32,21 +32,7 @@ from flow_service.model.config import (
     TOKEN_MEL_RATIO,
     VOCAB_SIZE,
 )
-
-
-class InvalidInput(ValueError):
-    """A request field is malformed. `field` names it; `slot` is the request's index in a batch
-    (None when validated alone), so a scheduler can reject that request and keep the others."""
-
-    def __init__(self, field: str, problem: str, slot: int | None = None):
-        where = field if slot is None else f"chunks[{slot}].{field}"
-        super().__init__(f"{where}: {problem}")
-        self.field = field
-        self.problem = problem
-        self.slot = slot
-
-    def in_slot(self, slot: int) -> InvalidInput:
-        return InvalidInput(self.field, self.problem, slot)
+from token2wav.invalid import InvalidInput
 
 
 @dataclass

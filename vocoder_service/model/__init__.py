@@ -1,6 +1,7 @@
 """Causal HiFT vocoder model (ref §5): full-history decode, bounded incremental sessions batched
 across streams, versioned session export, strict hift.pt loading. No grpc, no session ids."""
 
+from token2wav.invalid import InvalidInput
 from vocoder_service.model.config import (
     HIFT_PRESETS,
     HOLDBACK_FRAMES,
@@ -13,7 +14,7 @@ from vocoder_service.model.config import (
     HiFTConfig,
     receptive_field_frames,
 )
-from vocoder_service.model.errors import CheckpointError, InvalidInput
+from vocoder_service.model.errors import CheckpointError
 from vocoder_service.model.generator import HiFTGenerator
 from vocoder_service.model.loading import infer_config, init_random_weights, load_hift
 from vocoder_service.model.noise import hift_noise_buffers

@@ -1,18 +1,7 @@
-"""Typed errors of the vocoder model. No grpc here: the service maps them to status codes
-(`token2wav.errors.status_for` treats a ValueError with a `.field` as INVALID_ARGUMENT)."""
+"""Typed errors of the vocoder model (bad input is `token2wav.invalid.InvalidInput`, shared
+with the flow model). No grpc here."""
 
 from __future__ import annotations
-
-
-class InvalidInput(ValueError):
-    """Bad caller input; `field` names it (`mel`, `finalize`, `session`, or `mels[2]`, ... from a
-    batched step, where `row` is the offending row's index)."""
-
-    def __init__(self, field: str, problem: str, row: int | None = None):
-        super().__init__(f"{field}: {problem}")
-        self.field = field
-        self.problem = problem
-        self.row = row
 
 
 class CheckpointError(RuntimeError):

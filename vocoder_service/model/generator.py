@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
+from token2wav.invalid import InvalidInput
 from vocoder_service.model.config import (
     F0_LOOK_RIGHT,
     HOLDBACK_FRAMES,
@@ -40,7 +41,6 @@ from vocoder_service.model.config import (
     MAX_FRAMES,
     HiFTConfig,
 )
-from vocoder_service.model.errors import InvalidInput
 from vocoder_service.model.layers import (
     CausalF0Predictor,
     CausalUpsample,
@@ -221,13 +221,13 @@ class HiFTGenerator(nn.Module):
         seen: dict[int, int] = {}  # id(state) -> row
         for i, (st, mel, fin) in enumerate(zip(states, mels, finalize)):
             if id(st) in seen:
-                raise InvalidInput(f"states[{i}]", f"same session as row {seen[id(st)]}", row=i)
+                raise InvalidInput(f"states[{i}]", f"same session as row {seen[id(st)]}", i)
             seen[id(st)] = i
             try:
                 self.check_chunk(st, mel, fin)
             except InvalidInput as exc:
                 name = {"mel": "mels", "finalize": "finalize"}.get(exc.field, "states")
-                raise InvalidInput(f"{name}[{i}]", exc.problem, row=i) from None
+                raise InvalidInput(f"{name}[{i}]", exc.problem, i) from None
         plans = [
             plan_chunk(st, m.shape[1], fin, self.cfg) for st, m, fin in zip(states, mels, finalize)
         ]

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from token2wav.invalid import InvalidInput
 from vocoder_service.model.config import F0_LOOK_RIGHT, HOLDBACK_FRAMES, HOP_SAMPLES, HiFTConfig
-from vocoder_service.model.errors import InvalidInput
 
 MAGIC = b"T2WHIFT\0"
 STATE_VERSION = 1

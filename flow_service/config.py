@@ -1,32 +1,16 @@
-"""Assembling the flow service: flags, model, engine, servicer, server (kept apart from main()
-so tests build the same server on port 0)."""
+"""The flow service's flags and its frozen config: the one place flags become values."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 
-import numpy as np
-import torch
-
-from flow_service import metrics
-from flow_service.costmodel import CostModel, CostPrior, num_solver_steps
-from flow_service.engine import FlowEngine
-from flow_service.model import (
-    FLOW_PRESETS,
-    ChunkRequest,
-    FlowModel,
-    PrefixCache,
-    Voice,
-    load_flow,
-)
+from flow_service.costmodel import CostPrior
+from flow_service.model import FLOW_PRESETS
 from flow_service.scheduler import BatchPolicy
-from flow_service.servicer import FlowServicer
-from flow_service.voices import VoiceCache
 from token2wav.cli import EnvParser, add_server_flags
-from token2wav.server import GrpcServer, ServerOptions
-from token2wav.v1 import flow_pb2, flow_pb2_grpc
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from token2wav.dtypes import DTYPES
+from token2wav.server import ServerOptions
 
 
 def build_parser() -> EnvParser:
@@ -169,106 +153,71 @@ def build_parser() -> EnvParser:
     return p
 
 
-def policy_from_args(args: argparse.Namespace) -> BatchPolicy:
-    return BatchPolicy(
-        max_batch_size=args.max_batch_size,
-        max_batch_frames=args.max_batch_frames,
-        max_wait_ms=args.max_wait_ms,
-        max_queue=args.max_queue,
-        min_padding_efficiency=args.min_padding_efficiency,
-        first_chunks_apart=args.preempt,
-        deadline_scheduling=args.deadline_scheduling,
-    )
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    mb: int = -1  # -1: auto (40 % of free CUDA memory, 1 GiB on CPU); 0: off
+    share_voices: bool = True
+    evict_idle_s: float = 5.0
+    order_streams: bool = True
+
+    def __post_init__(self):
+        if self.mb < -1:
+            raise ValueError(
+                f"--prefix-cache-mb: {self.mb}, want -1 (auto), 0 (off) or a MiB budget"
+            )
+        if self.evict_idle_s < 0:
+            raise ValueError(f"--prefix-cache-evict-idle-s: {self.evict_idle_s}, want >= 0")
 
 
-def cost_prior_from_args(args: argparse.Namespace) -> CostPrior:
-    if args.cost_prior_frames_per_s <= 0:
-        raise ValueError("--cost-prior-frames-per-s: want > 0")
-    return CostPrior(frames_per_s=args.cost_prior_frames_per_s)
+@dataclass(frozen=True)
+class FlowConfig:
+    server: ServerOptions = field(default_factory=ServerOptions)
+    model_dir: str | None = None  # None: seeded random weights of `preset`
+    preset: str = "small"
+    device: str = "cpu"
+    dtype: str = "float32"
+    bf16_fp32_parts: bool = False
+    policy: BatchPolicy = field(default_factory=BatchPolicy)
+    cost_prior: CostPrior = field(default_factory=CostPrior)
+    prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
+    max_voices: int = 1024
+    cuda_graphs: bool = True
+    graph_max_batch: int = 8
+    preempt: bool = True
+    log_batches: bool = False
 
-
-def prefix_cache_from_args(args: argparse.Namespace, model) -> PrefixCache | None:
-    mb = args.prefix_cache_mb
-    if mb < -1:
-        raise ValueError(f"--prefix-cache-mb: {mb}, want -1 (auto), 0 (off) or a MiB budget")
-    if args.prefix_cache_evict_idle_s < 0:
-        raise ValueError(
-            f"--prefix-cache-evict-idle-s: {args.prefix_cache_evict_idle_s}, want >= 0"
-        )
-    if mb == 0 or not isinstance(model, FlowModel):  # test doubles wrapping a model: none
-        return None
-    if mb == -1:
-        if model.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(model.device)
-            budget = int(0.4 * free)
-        else:
-            budget = 1024 << 20
-    else:
-        budget = mb << 20
-    return PrefixCache.for_model(
-        model,
-        budget,
-        share_voice_blocks=args.prefix_cache_share_voices,
-        evict_idle_s=args.prefix_cache_evict_idle_s,
-        observe=metrics.observe_prefix_cache,
-    )
-
-
-def warmup_batch(batch: int, num_frames: int) -> list[ChunkRequest]:
-    """`batch` requests whose DiT sequence is `num_frames` long (>= 4), streaming and final
-    rows alternating, from a fixed random voice."""
-    rng = np.random.default_rng(0)
-    n_p = min(25, num_frames // 4)
-    voice = Voice(
-        torch.from_numpy(rng.integers(0, 6561, n_p)),
-        torch.from_numpy(rng.standard_normal((2 * n_p, 80)).astype(np.float32)),
-        torch.from_numpy(rng.standard_normal(192).astype(np.float32)),
-    )
-    n_emit = num_frames // 2 - n_p
-    reqs = []
-    for i in range(batch):
-        final = i % 2 == 1
-        tokens = torch.from_numpy(rng.integers(0, 6561, n_emit + (0 if final else 3)))
-        reqs.append(ChunkRequest(voice, tokens, 0, finalize=final, streaming=not final))
-    return reqs
-
-
-def warmup_requests() -> list[ChunkRequest]:
-    """A first chunk and a final chunk of a 3 s prompt: what the service will see first."""
-    return warmup_batch(2, 200)
-
-
-def create_server(args: argparse.Namespace, model=None):
-    """(server, engine, warmup coroutine factory); `model` overrides loading (tests)."""
-    if model is None:
-        model = load_flow(
-            args.model_dir or None,
-            device=args.device,
-            dtype=DTYPES[args.dtype],
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> FlowConfig:
+        if args.cost_prior_frames_per_s <= 0:
+            raise ValueError("--cost-prior-frames-per-s: want > 0")
+        if args.max_voices < 1:
+            raise ValueError(f"--max-voices: {args.max_voices}, want >= 1")
+        return cls(
+            server=ServerOptions.from_args(args),
+            model_dir=args.model_dir or None,
             preset=args.preset,
-            fp32_sensitive=args.bf16_fp32_parts,
+            device=args.device,
+            dtype=args.dtype,
+            bf16_fp32_parts=args.bf16_fp32_parts,
+            policy=BatchPolicy(
+                max_batch_size=args.max_batch_size,
+                max_batch_frames=args.max_batch_frames,
+                max_wait_ms=args.max_wait_ms,
+                max_queue=args.max_queue,
+                min_padding_efficiency=args.min_padding_efficiency,
+                first_chunks_apart=args.preempt,
+                deadline_scheduling=args.deadline_scheduling,
+            ),
+            cost_prior=CostPrior(frames_per_s=args.cost_prior_frames_per_s),
+            prefix_cache=PrefixCacheConfig(
+                args.prefix_cache_mb,
+                args.prefix_cache_share_voices,
+                args.prefix_cache_evict_idle_s,
+                args.prefix_cache_order_streams,
+            ),
+            max_voices=args.max_voices,
+            cuda_graphs=args.cuda_graphs,
+            graph_max_batch=args.graph_max_batch,
+            preempt=args.preempt,
+            log_batches=args.log_batches,
         )
-    engine = FlowEngine(
-        model,
-        policy_from_args(args),
-        log_batches=args.log_batches,
-        cuda_graphs=args.cuda_graphs,
-        graph_max_batch=args.graph_max_batch,
-        preempt=args.preempt,
-        cost=CostModel(num_solver_steps(model), cost_prior_from_args(args)),
-        prefix_cache=prefix_cache_from_args(args, model),
-        order_streams=args.prefix_cache_order_streams,
-    )
-    voices = VoiceCache(args.max_voices)
-    servicer = FlowServicer(engine, voices)
-    server = GrpcServer(
-        ServerOptions.from_args(args),
-        [flow_pb2.DESCRIPTOR.services_by_name["Flow"].full_name],
-        lambda s: flow_pb2_grpc.add_FlowServicer_to_server(servicer, s),
-    )
-
-    async def warmup() -> None:
-        engine.start()
-        await engine.warmup(warmup_requests())
-
-    return server, engine, warmup

@@ -1,8 +1,5 @@
-"""Wiring: model -> runner -> session manager + batcher -> servicer -> GrpcServer.
-
-`create_server(options, config)` starts a warmed-up, SERVING server and returns it with its port
-(tests, benchmarks); `python -m vocoder_service` runs the same object under signal handling.
-"""
+"""The vocoder service: model -> runner -> session manager + batcher -> servicer, and the
+background work's life cycle (batcher loop, session sweeper)."""
 
 from __future__ import annotations
 
@@ -10,17 +7,17 @@ import asyncio
 import logging
 from typing import Any
 
-from token2wav.server import GrpcServer, ServerOptions
+from token2wav.cli import check_device
+from token2wav.dtypes import DTYPES
+from token2wav.service import Service
 from token2wav.v1 import vocoder_pb2, vocoder_pb2_grpc
 from vocoder_service.batcher import Batcher
 from vocoder_service.config import ModelConfig, VocoderServiceConfig
 from vocoder_service.manager import SessionManager
-from vocoder_service.runner import DTYPES, HiFTRunner
+from vocoder_service.runner import HiFTRunner
 from vocoder_service.servicer import VocoderServicer
 
 logger = logging.getLogger(__name__)
-
-SERVICE_NAME = vocoder_pb2.DESCRIPTOR.services_by_name["Vocoder"].full_name
 
 
 def resolve_preset(cfg: ModelConfig) -> str:
@@ -48,13 +45,15 @@ def model_tag(cfg: ModelConfig, model: Any) -> str:
     return f"{resolve_preset(cfg)}:phase-{phase}"
 
 
-class VocoderService:
-    """The service's parts and their background tasks (batcher loop, session sweeper)."""
+class VocoderService(Service):
+    prog, log_name, config_class = "vocoder_service", "vocoder", VocoderServiceConfig
+    grpc_services = (vocoder_pb2.DESCRIPTOR.services_by_name["Vocoder"].full_name,)
 
     def __init__(self, config: VocoderServiceConfig, model: Any | None = None):
+        """`model` overrides loading (tests, benchmarks)."""
         from vocoder_service.model import HOP_SAMPLES, MAX_SAMPLES, HiFTSessionState
 
-        self.config = config
+        super().__init__(config)
         self.model = model if model is not None else load_model(config.model)
         self.runner = HiFTRunner(self.model, config.model.device)
         self.manager = SessionManager(
@@ -69,6 +68,13 @@ class VocoderService:
         self.batcher = Batcher(self.manager, self.runner, config.batcher)
         self.servicer = VocoderServicer(self.manager)
         self._tasks: list[asyncio.Task] = []
+
+    @staticmethod
+    def check(config: VocoderServiceConfig) -> None:
+        check_device(config.model.device)
+
+    def register(self, server) -> None:
+        vocoder_pb2_grpc.add_VocoderServicer_to_server(self.servicer, server)
 
     async def warmup(self) -> None:
         loop = asyncio.get_running_loop()
@@ -88,34 +94,3 @@ class VocoderService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         await asyncio.to_thread(self.batcher.close)  # lets a running step finish
-
-
-class VocoderServer(GrpcServer):
-    """GrpcServer plus the vocoder's background work, stopped after the drain."""
-
-    def __init__(self, options: ServerOptions, service: VocoderService):
-        self.service = service
-        super().__init__(
-            options,
-            [SERVICE_NAME],
-            lambda server: vocoder_pb2_grpc.add_VocoderServicer_to_server(service.servicer, server),
-        )
-
-    async def warmup(self) -> None:
-        await self.service.warmup()
-        self.service.start()
-
-    async def drain(self) -> None:
-        await super().drain()
-        await self.service.stop()
-
-
-async def create_server(
-    options: ServerOptions, config: VocoderServiceConfig, *, model: Any | None = None
-) -> tuple[VocoderServer, int]:
-    """A started, warmed-up, SERVING server; `await server.drain()` stops it."""
-    server = VocoderServer(options, VocoderService(config, model))
-    port = await server.start()
-    await server.warmup()
-    await server.set_serving(True)
-    return server, port

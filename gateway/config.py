@@ -1,26 +1,18 @@
-"""Assembling the gateway: flags, replica sets, servicer, server."""
+"""The gateway's flags and its frozen config: the one place flags become values."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass, field
 
 from gateway.admission import AdmissionConfig
-from gateway.callers import ClientStreams
 from gateway.deadlines import DeadlineConfig
-from gateway.downstream import FlowClient
-from gateway.failover import RetryBudget
-from gateway.health import GatewayServer, StageHealth
 from gateway.inbound import InboundLimits
 from gateway.pipeline import PipelineLimits
-from gateway.routing import ReplicaSet
-from gateway.servicer import GatewayServicer, VoiceRegistry
-from gateway.voices import VoiceMaker
 from token2wav.cli import EnvParser, add_server_flags
-from token2wav.frontend.audio import FrontendUnavailable
-from token2wav.security import TokenAuth, channel_credentials, load_tokens
+from token2wav.security import TokenAuth, load_tokens
 from token2wav.server import ServerOptions
-from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 def build_parser() -> EnvParser:
@@ -229,87 +221,84 @@ def build_parser() -> EnvParser:
     return p
 
 
-def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:
-    return AdmissionConfig(
-        enabled=args.admission,
-        headroom=args.admission_headroom,
-        expected_tokens=args.admission_expected_tokens,
-        max_wait_s=args.admission_wait_ms / 1e3,
-        capacity_override=args.admission_capacity,
-    )
+@dataclass(frozen=True)
+class GatewayConfig:
+    server: ServerOptions = field(default_factory=ServerOptions)
+    flow_addr: str = "127.0.0.1:50052"
+    vocoder_addr: str = "127.0.0.1:50053"
+    resolve_interval: float = 5.0
+    retire_grace: float = 330.0
+    internal_ca: str | None = None  # PEM files for TLS to the replicas; None: plaintext
+    internal_cert: str | None = None
+    internal_key: str | None = None
+    internal_server_name: str | None = None
+    health_check_interval: float = 1.0  # 0: no checks
+    max_streams: int = 1024
+    max_streams_per_client: int = 0
+    flow_attempts: int = 3
+    flow_sticky: bool = True  # --flow-affinity stream
+    retry_budget: float = 0.2
+    max_voices: int = 1024
+    max_voices_per_client: int = 0
+    frontend_dir: str | None = None  # None: no voices from audio
+    frontend_workers: int = 2
+    frontend_max_pending: int = 8
+    limits: PipelineLimits = field(default_factory=PipelineLimits)
+    inbound: InboundLimits = field(default_factory=InboundLimits)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
-
-def load_voice_maker(args: argparse.Namespace) -> VoiceMaker | None:
-    """The front end if --frontend-dir is set; FrontendUnavailable says what is missing."""
-    if not args.frontend_dir:
-        return None
-    if args.frontend_workers < 1 or args.frontend_max_pending < 1:
-        raise FrontendUnavailable("--frontend-workers and --frontend-max-pending must be >= 1")
-    return VoiceMaker.from_dir(args.frontend_dir, args.frontend_workers, args.frontend_max_pending)
-
-
-def create_server(args: argparse.Namespace, voice_maker: VoiceMaker | None = None):
-    credentials = None
-    if args.internal_ca or args.internal_cert:
-        credentials = channel_credentials(args.internal_ca, args.internal_cert, args.internal_key)
-    routing = dict(
-        refresh_s=args.resolve_interval,
-        max_message_mb=args.max_message_mb,
-        retire_grace_s=args.retire_grace,
-        credentials=credentials,
-        server_name=args.internal_server_name,
-    )
-    flows = ReplicaSet(args.flow_addr, **routing)
-    vocoders = ReplicaSet(args.vocoder_addr, **routing)
-    deadlines = None
-    if args.deadlines:
-        deadlines = DeadlineConfig(args.first_chunk_target_ms / 1e3, args.deadline_margin_ms / 1e3)
-    limits = PipelineLimits(
-        args.max_inflight_chunks,
-        args.max_buffered_chunks,
-        args.call_timeout,
-        deadlines,
-        max_vocoder_failovers=args.vocoder_failovers,
-    )
-    inbound = InboundLimits(
-        first_message_timeout=args.first_tokens_timeout,
-        first_tokens_timeout=args.first_tokens_timeout,
-        idle_timeout=args.input_idle_timeout,
-    )
-    if voice_maker is None:
-        voice_maker = load_voice_maker(args)
-    servicer = GatewayServicer(
-        FlowClient(
-            flows,
-            args.flow_attempts,
-            sticky=args.flow_affinity == "stream",
-            budget=RetryBudget(args.retry_budget),
-        ),
-        vocoders,
-        VoiceRegistry(args.max_voices, args.max_voices_per_client),
-        limits,
-        args.max_streams,
-        voice_maker,
-        admission_from_args(args),
-        inbound=inbound,
-        per_client=ClientStreams(args.max_streams_per_client),
-    )
-    options = ServerOptions.from_args(args)
-    if args.auth_tokens:
-        options = dataclasses.replace(
-            options, interceptors=(TokenAuth(load_tokens(args.auth_tokens)),)
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
+        if args.frontend_dir and (args.frontend_workers < 1 or args.frontend_max_pending < 1):
+            raise ValueError("--frontend-workers and --frontend-max-pending must be >= 1")
+        server = ServerOptions.from_args(args)
+        if args.auth_tokens:
+            server = dataclasses.replace(
+                server, interceptors=(TokenAuth(load_tokens(args.auth_tokens)),)
+            )
+        deadlines = None
+        if args.deadlines:
+            deadlines = DeadlineConfig(
+                args.first_chunk_target_ms / 1e3, args.deadline_margin_ms / 1e3
+            )
+        return cls(
+            server=server,
+            flow_addr=args.flow_addr,
+            vocoder_addr=args.vocoder_addr,
+            resolve_interval=args.resolve_interval,
+            retire_grace=args.retire_grace,
+            internal_ca=args.internal_ca,
+            internal_cert=args.internal_cert,
+            internal_key=args.internal_key,
+            internal_server_name=args.internal_server_name,
+            health_check_interval=args.health_check_interval,
+            max_streams=args.max_streams,
+            max_streams_per_client=args.max_streams_per_client,
+            flow_attempts=args.flow_attempts,
+            flow_sticky=args.flow_affinity == "stream",
+            retry_budget=args.retry_budget,
+            max_voices=args.max_voices,
+            max_voices_per_client=args.max_voices_per_client,
+            frontend_dir=args.frontend_dir or None,
+            frontend_workers=args.frontend_workers,
+            frontend_max_pending=args.frontend_max_pending,
+            limits=PipelineLimits(
+                args.max_inflight_chunks,
+                args.max_buffered_chunks,
+                args.call_timeout,
+                deadlines,
+                max_vocoder_failovers=args.vocoder_failovers,
+            ),
+            inbound=InboundLimits(
+                first_message_timeout=args.first_tokens_timeout,
+                first_tokens_timeout=args.first_tokens_timeout,
+                idle_timeout=args.input_idle_timeout,
+            ),
+            admission=AdmissionConfig(
+                enabled=args.admission,
+                headroom=args.admission_headroom,
+                expected_tokens=args.admission_expected_tokens,
+                max_wait_s=args.admission_wait_ms / 1e3,
+                capacity_override=args.admission_capacity,
+            ),
         )
-    server = GatewayServer(
-        options,
-        [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
-        lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
-        health=StageHealth({"flow": flows, "vocoder": vocoders}, args.health_check_interval),
-    )
-
-    async def close() -> None:
-        await flows.close()
-        await vocoders.close()
-        if voice_maker is not None:
-            voice_maker.close()
-
-    return server, close
