@@ -10,7 +10,7 @@ noise buffers, and prints SNR (dB, 10 log10 |ref|^2 / |x - ref|^2) per stage and
            "upstream" against upstream's full decode on the CPU and on --device, and upstream on
            --device against upstream on the CPU.
   stream   flow + HiFT end to end, fp32: upstream's streaming token2wav (CosyVoice3Model, driven
-           with tts()'s hop schedule, ref §6.2) against our model-level streaming path (gateway
+           with tts()'s hop schedule, docs/REFERENCE.md §6.2) against our model-level streaming path (gateway
            ChunkPlanner -> FlowModel.generate per chunk -> one HiFT session). The services are
            proven equal to this path by tests/test_vocoder_service.py and the gateway tests.
   fast     fast modes against upstream fp32 on --device: our bf16 flow + bf16 HiFT, our bf16
@@ -316,7 +316,7 @@ def make_inputs(n_p: int, n: int) -> dict:
 
 
 def upstream_stream(up, flow, hift, x: dict, device: str, fp16: bool):
-    """Upstream's CosyVoice3Model.token2wav driven with tts()'s streaming schedule (ref §6.2:
+    """Upstream's CosyVoice3Model.token2wav driven with tts()'s streaming schedule (docs/REFERENCE.md §6.2:
     hop 25 + prompt pad, doubling to 100, 3 lookahead tokens, final call finalize=True with
     stream=False). Returns (full mel (80, T), audio, [(num_tokens, offset, finalize)])."""
     model = up.CosyVoice3Model(None, flow, hift, fp16=fp16)

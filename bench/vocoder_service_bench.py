@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """vocoder_service benchmark: N concurrent sessions over gRPC (in-process server on loopback),
 each replaying the upstream chunk schedule for a 10 s utterance (500 mel frames in chunks of
-50, 100, 200, then the rest with finalize; ref §6.2/§6.4), batching across sessions on and off
+50, 100, 200, then the rest with finalize; docs/REFERENCE.md §6.2/§6.4), batching across sessions on and off
 in the same run; plus per-chunk model time against history length, and upstream's algorithm
-(re-decode the whole mel history every chunk, ref §6.3) on the same card as the reference.
+(re-decode the whole mel history every chunk, docs/REFERENCE.md §6.3) on the same card as the reference.
 
     PYTHONPATH=. python3 bench/vocoder_service_bench.py --device cuda --preset cosyvoice3-0.5b
     PYTHONPATH=. python3 bench/vocoder_service_bench.py --smoke     # tiny CPU config
@@ -172,7 +172,7 @@ def timed(fn, device: str):
 
 
 def upstream_redecode(model, mel: torch.Tensor, sizes: list[int], device: str):
-    """Upstream's loop (ref §6.3): decode all mel so far every chunk, keep the new samples."""
+    """Upstream's loop (docs/REFERENCE.md §6.3): decode all mel so far every chunk, keep the new samples."""
     emitted, total_ms, pieces, ends = 0, 0.0, [], np.cumsum(sizes)
     for k, end in enumerate(ends):
         out, ms = timed(lambda e=end, k=k: model.decode(mel[:, :e], k == len(sizes) - 1), device)

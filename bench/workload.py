@@ -1,4 +1,4 @@
-"""The benchmark workload of ARCHITECTURE.md: seeded random voices and token sequences, and the
+"""The benchmark workload (docs/BENCHMARKS.md, "Method"): seeded random voices and token sequences, and the
 client-side copy of the chunk schedule that says when each chunk's tokens were all sent.
 
 Random weights make noise-like audio whatever the tokens, so the numbers measure speed only.

@@ -1,4 +1,4 @@
-"""The per-stream chunk schedule (reference §6.2), as a pure state machine.
+"""The per-stream chunk schedule (docs/REFERENCE.md §6.2), as a pure state machine.
 
 Upstream (CosyVoice2Model.tts, inherited by CosyVoice3): the first hop is 25 tokens plus the
 prompt pad, so that prompt + first hop fill whole 25-token (50-frame) attention blocks; the hop

@@ -1,6 +1,6 @@
 """The in-process reference pipeline: the same models and chunk schedule as the services, no
 gRPC, and upstream's stateless vocoding (re-decode the whole mel history each chunk and cut off
-the samples already emitted, reference §6.3). Tests use it as the oracle for the whole stack.
+the samples already emitted, docs/REFERENCE.md §6.3). Tests use it as the oracle for the whole stack.
 """
 
 from __future__ import annotations

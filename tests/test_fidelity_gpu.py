@@ -1,4 +1,4 @@
-"""The fast stack's distance from the float32 stack, pinned on a GPU (ARCHITECTURE invariant 7;
+"""The fast stack's distance from the float32 stack, pinned on a GPU (invariant 7, docs/DESIGN.md;
 issue 21). Same random weights as bench/upstream_compare.py (full-width flow with two DiT
 layers, full HiFT with voiced frames), our model-level streaming path (gateway schedule, one
 flow call per chunk, one HiFT session), 10 s utterance after a 3 s prompt.

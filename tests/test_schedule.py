@@ -1,4 +1,4 @@
-"""The per-stream chunk schedule against the worked example of reference §6.4."""
+"""The per-stream chunk schedule against the worked example of docs/REFERENCE.md §6.4."""
 
 import numpy as np
 import pytest

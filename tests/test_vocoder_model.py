@@ -99,7 +99,7 @@ def test_constants_and_presets():
         assert (cfg.istft_n_fft, cfg.istft_hop, cfg.upsample_rates) == (16, 4, (8, 5, 3))
     assert HIFT_PRESETS["small"].base_channels <= 64 < HIFT_PRESETS["cosyvoice3-0.5b"].base_channels
     full = HiFTGenerator(HIFT_PRESETS["cosyvoice3-0.5b"])
-    assert sum(p.numel() for p in full.parameters()) == 20_779_887  # checkpoint_keys.md
+    assert sum(p.numel() for p in full.parameters()) == 20_779_887  # docs/REFERENCE.md §9
     with pytest.raises(ValueError):
         HiFTConfig(upsample_rates=(8, 8, 3))  # 768 samples per frame: not this model
 
@@ -112,7 +112,7 @@ def test_decode_lengths_and_range(small, frames):
     held = small.decode(mel[None], finalize=False)  # (1, 80, T) accepted too
     assert held.shape == (HOP_SAMPLES * max(frames - HOLDBACK_FRAMES, 0),)
     assert float(y.abs().max()) <= 0.99 and float(y.abs().max()) > 0
-    # Without finalize the held-back decode is a prefix of the finalized one (ref §5.5).
+    # Without finalize the held-back decode is a prefix of the finalized one (docs/REFERENCE.md §5.5).
     if held.numel():
         assert (held - y[: held.shape[0]]).abs().max().item() <= TOL_FP32
 
@@ -549,7 +549,7 @@ def test_both_weight_norm_conventions_load(small, tmp_path):
 
 def upstream_hift_keys(base: int = 512, f0_ch: int = 512) -> dict[str, tuple[int, ...]]:
     """Key -> shape of upstream CausalHiFTGenerator's state_dict, written from the module
-    structure in checkpoint_keys.md (not from our model)."""
+    structure in docs/REFERENCE.md §9 (not from our model)."""
     keys: dict[str, tuple[int, ...]] = {}
 
     def wn(name, cout, cin, k):

@@ -142,7 +142,7 @@ async def test_in_order_session_equals_full_history_decode(serve, model):
     assert [m.seq for m in answers] == [0, 1, 2, 3]
     assert [m.is_final for m in answers] == [False, False, False, True]
     assert {m.request_id for m in answers} == {"in-order"}
-    # Holdback: 8 frames stay back until finalize flushes them (ref §5.5).
+    # Holdback: 8 frames stay back until finalize flushes them (docs/REFERENCE.md §5.5).
     lengths = [audio(m).shape[0] for m in answers]
     emitted = np.cumsum(sizes[:-1]) - HOLDBACK_FRAMES
     assert lengths[:-1] == list(np.diff([0, *emitted]) * HOP_SAMPLES)

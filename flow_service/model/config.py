@@ -1,4 +1,4 @@
-"""Stage-1 flow configuration: constants, per-component frozen configs and presets (ref §1.1).
+"""Stage-1 flow configuration: constants, per-component frozen configs and presets (docs/REFERENCE.md §1.1).
 
 The shared audio constants come from `token2wav` (stated once there); the ones below belong to
 the flow model alone.
@@ -46,7 +46,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class DiTConfig:
-    """The velocity estimator `decoder.estimator` (ref §4)."""
+    """The velocity estimator `decoder.estimator` (docs/REFERENCE.md §4)."""
 
     dim: int = 1024
     depth: int = 22
@@ -73,7 +73,7 @@ class DiTConfig:
 
 @dataclass(frozen=True)
 class FlowConfig:
-    """The flow wrapper `CausalMaskedDiffWithDiT` and its solver (ref §2, §3)."""
+    """The flow wrapper `CausalMaskedDiffWithDiT` and its solver (docs/REFERENCE.md §2, §3)."""
 
     vocab_size: int = VOCAB_SIZE
     mel_dim: int = MEL_BINS  # token embedding width equals the mel width (no encoder)

@@ -1,6 +1,6 @@
-"""DiT velocity estimator `decoder.estimator` (ref §4), batched over ragged masked rows.
+"""DiT velocity estimator `decoder.estimator` (docs/REFERENCE.md §4), batched over ragged masked rows.
 
-Attribute names mirror the upstream state-dict keys (checkpoint_keys.md), so flow.pt loads with
+Attribute names mirror the upstream state-dict keys (docs/REFERENCE.md §9), so flow.pt loads with
 strict matching; the code itself is written for batched inference: channel-last tensors, one
 additive attention bias per call built outside the layer loop, in-place partial rotary.
 
@@ -44,7 +44,7 @@ def attention_bias(
     """Additive attention bias (r, 1, t, t): 0 where query i may read key j, -inf elsewhere.
 
     seq_lens [r] valid frames per row; streaming [r] bool. A streaming row's query i sees keys
-    j < (i // block + 1) * block, blocks aligned to frame 0 (ref §4.5); a full row sees every
+    j < (i // block + 1) * block, blocks aligned to frame 0 (docs/REFERENCE.md §4.5); a full row sees every
     valid key. Padded keys are hidden from every row (`mask_padding=False` exists only to show
     that the batch-invariance test catches a leak).
     """

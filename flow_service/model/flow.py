@@ -1,4 +1,4 @@
-"""The Stage-1 flow model (ref §2, §3): tokens + voice -> mel, batched over ragged streams.
+"""The Stage-1 flow model (docs/REFERENCE.md §2, §3): tokens + voice -> mel, batched over ragged streams.
 
 `FlowModel.generate(chunks)` runs chunk requests of different streams as ONE Euler/CFG solve of
 2B rows. Per row: its own token count, lookahead handling (final rows right-pad 3 zero
@@ -36,7 +36,7 @@ Estimator = Callable[..., torch.Tensor]
 
 
 class BatchIntegrityError(RuntimeError):
-    """A batch result could not be matched to its request slot (ARCHITECTURE invariant 5)."""
+    """A batch result could not be matched to its request slot (docs/DESIGN.md, invariant 5)."""
 
 
 _noise_lock = threading.Lock()
@@ -45,7 +45,7 @@ _noise_by_device: dict[str, torch.Tensor] = {}  # device -> (MAX_FRAMES, c) fp32
 
 def noise_buffer(device: torch.device | str, max_frames: int) -> torch.Tensor:
     """Upstream's fixed flow noise as (frames, c) fp32: column i of randn(1, 80, 15000) drawn
-    right after seeding the CPU generator with 0 (ref §3.1). Frame i of prompt + target always
+    right after seeding the CPU generator with 0 (docs/REFERENCE.md §3.1). Frame i of prompt + target always
     starts from row i, whatever the batch (invariant 2)."""
     key = str(torch.device(device))
     buf = _noise_by_device.get(key)

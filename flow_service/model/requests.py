@@ -1,6 +1,6 @@
 """What the flow model is asked to do: a voice and one chunk of one stream, validated.
 
-A chunk request is self-contained (ref §2.2: the flow keeps no state between calls): the voice,
+A chunk request is self-contained (docs/REFERENCE.md §2.2: the flow keeps no state between calls): the voice,
 the whole token prefix so far, how many target tokens were already emitted (`token_offset`),
 whether this is the last call (`finalize`) and which attention it uses (`streaming`).
 
@@ -37,7 +37,7 @@ from token2wav.invalid import InvalidInput
 
 @dataclass
 class Voice:
-    """One speaker prompt (ref §1.4). Tensors live on any device; CPU is expected."""
+    """One speaker prompt (docs/REFERENCE.md §1.4). Tensors live on any device; CPU is expected."""
 
     prompt_token: torch.Tensor  # [n_p] int, ids 0..6560
     prompt_feat: torch.Tensor  # [2 n_p, 80] float, log-mel of the prompt audio
@@ -53,7 +53,7 @@ class Voice:
 
 @dataclass
 class ChunkRequest:
-    """One flow call of one stream (ref §6.2/§6.3)."""
+    """One flow call of one stream (docs/REFERENCE.md §6.2/§6.3)."""
 
     voice: Voice
     tokens: torch.Tensor  # [n] int: the whole target token prefix so far, lookahead included

@@ -1,4 +1,4 @@
-"""The three feature extractors of upstream's front end (reference §1.3, §1.4).
+"""The three feature extractors of upstream's front end (docs/REFERENCE.md §1.3, §1.4).
 
 Dimensions: L samples, F frames, M mel bins.
 

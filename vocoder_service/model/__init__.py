@@ -1,4 +1,4 @@
-"""Causal HiFT vocoder model (ref §5): full-history decode, bounded incremental sessions batched
+"""Causal HiFT vocoder model (docs/REFERENCE.md §5): full-history decode, bounded incremental sessions batched
 across streams, versioned session export, strict hift.pt loading. No grpc, no session ids."""
 
 from token2wav.invalid import InvalidInput

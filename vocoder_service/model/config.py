@@ -1,4 +1,4 @@
-"""Stage-2 vocoder configuration: constants, `HiFTConfig`, presets, receptive field (ref §1.2, §5).
+"""Stage-2 vocoder configuration: constants, `HiFTConfig`, presets, receptive field (docs/REFERENCE.md §1.2, §5).
 
 The shared audio constants come from `token2wav` (stated once there) and are re-exported under
 the names the vocoder code uses. `context_frames()` derives the incremental session's window
@@ -14,10 +14,10 @@ from token2wav import MAX_FRAMES, MEL_BINS, SAMPLE_RATE, SAMPLES_PER_FRAME
 
 HOP_SAMPLES = SAMPLES_PER_FRAME  # 480 output samples per mel frame (24 kHz / 50 Hz)
 MAX_SAMPLES = MAX_FRAMES * HOP_SAMPLES  # 300 s: the length of the fixed noise buffers
-F0_LOOK_RIGHT = 3  # f0 conv0 has kernel 4 and reads 3 frames to the right (ref §5.3)
-CONV_PRE_LOOK_RIGHT = 4  # conv_pre has kernel 5 and reads 4 frames to the right (ref §5.2)
+F0_LOOK_RIGHT = 3  # f0 conv0 has kernel 4 and reads 3 frames to the right (docs/REFERENCE.md §5.3)
+CONV_PRE_LOOK_RIGHT = 4  # conv_pre: kernel 5, reads 4 frames to the right (docs/REFERENCE.md §5.2)
 # Without finalize the last 3 + 4 + 1 frames are held back: f0 context, conv_pre context, and
-# one frame of iSTFT overlap-add / source-STFT lookahead (ref §5.5-5.6).
+# one frame of iSTFT overlap-add / source-STFT lookahead (docs/REFERENCE.md §5.5-5.6).
 HOLDBACK_FRAMES = F0_LOOK_RIGHT + CONV_PRE_LOOK_RIGHT + 1
 NOISE_SEED = 0  # seed of the fixed source-noise buffers (see noise.py)
 
@@ -39,7 +39,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class HiFTConfig:
-    """`CausalHiFTGenerator` with `CausalConvRNNF0Predictor` (ref §1.2, §5.2-5.4)."""
+    """`CausalHiFTGenerator` with `CausalConvRNNF0Predictor` (docs/REFERENCE.md §1.2, §5.2-5.4)."""
 
     in_channels: int = MEL_BINS
     base_channels: int = 512  # conv_pre width; stage i has base / 2^(i+1) channels

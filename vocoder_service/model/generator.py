@@ -1,4 +1,4 @@
-"""Causal HiFT generator (ref §5) with bounded incremental sessions batched across streams.
+"""Causal HiFT generator (docs/REFERENCE.md §5) with bounded incremental sessions batched across streams.
 
 `decode(mel, finalize)` has upstream's full-history semantics (`CausalHiFTGenerator.inference`).
 `step(states, mels, finalize)` advances several sessions by one chunk each in one batched pass:

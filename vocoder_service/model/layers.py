@@ -1,4 +1,4 @@
-"""HiFT building blocks: causal convs, Snake, ResBlock, the f0 predictor, the NSF source (ref §5).
+"""HiFT building blocks: causal convs, Snake, ResBlock, the f0 predictor, the NSF source (docs/REFERENCE.md §5).
 
 Attribute names mirror hift.pt (`convs1.0`, `activations1.0.alpha`, `condnet.2`, `l_linear`, ...)
 and weight-normalised convs carry `parametrizations.weight.original0/1`, so the checkpoint loads
@@ -71,7 +71,7 @@ class ResBlock(nn.Module):
 
 
 class CausalUpsample(nn.Conv1d):
-    """Nearest-neighbour upsampling by `rate`, then a left-causal conv (ref §5.1)."""
+    """Nearest-neighbour upsampling by `rate`, then a left-causal conv (docs/REFERENCE.md §5.1)."""
 
     def __init__(self, cin: int, cout: int, kernel: int, rate: int):
         super().__init__(cin, cout, kernel, padding=kernel - 1)
@@ -99,7 +99,7 @@ class SourceDown(nn.Conv1d):
 
 class CausalF0Predictor(nn.Module):
     """`CausalConvRNNF0Predictor`: conv0 (k=4) reads 3 frames to the right, four left-causal
-    k=3 convs, ELU after each, Linear(c -> 1), |.| -> f0 in Hz (ref §5.3). Runs in float64."""
+    k=3 convs, ELU after each, Linear(c -> 1), |.| -> f0 in Hz (docs/REFERENCE.md §5.3). Runs in float64."""
 
     def __init__(self, cfg: HiFTConfig):
         super().__init__()
@@ -124,7 +124,7 @@ class CausalF0Predictor(nn.Module):
 
 class SourceModule(nn.Module):
     """`SourceModuleHnNSF` with the causal SineGen2, reduced to what the generator uses: the
-    harmonic excitation tanh(Linear(9 -> 1)(sines x uv + noise)) (ref §5.4).
+    harmonic excitation tanh(Linear(9 -> 1)(sines x uv + noise)) (docs/REFERENCE.md §5.4).
 
     Upstream's phase is a per-frame staircase: r = (f0 h / 24000) mod 1 per frame (float32),
     S_k = cumsum(r) in float32, sine = sin(S_k x 2 pi x 480) held for the frame's 480 samples.

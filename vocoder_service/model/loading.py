@@ -1,5 +1,5 @@
 """Build a HiFTGenerator from hift.pt (strict, either weight-norm convention) or from seeded
-random weights (ref §1.2, checkpoint_keys.md)."""
+random weights (docs/REFERENCE.md §1.2, §9)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The fixed source-noise buffers of the causal SineGen (ref §5.4), shared by every model instance.
+"""The fixed source-noise buffers of the causal SineGen (docs/REFERENCE.md §5.4), shared by every model instance.
 
 Upstream draws, in its SineGen2 constructor, `rand_ini = torch.rand(1, 9)` (then sets entry 0 to
 0) and `sine_waves = torch.rand(1, 300 * 24000, 9)` from the global CPU generator; the causal
@@ -13,7 +13,7 @@ good; ours is reproducible by name:
 `hift_noise_buffers(seed)` returns exactly these (without the leading 1). To make upstream use
 them: `m_source.l_sin_gen.rand_ini = b["rand_ini"][None]` and
 `m_source.l_sin_gen.sine_waves = b["sine_noise"][None]`. `rand_ini` is added to sample 0 only,
-which the frame-rate resampling never reads (ref §5.4), so it changes nothing; it is drawn to keep
+which the frame-rate resampling never reads (docs/REFERENCE.md §5.4), so it changes nothing; it is drawn to keep
 upstream's order. Upstream's third buffer (`SourceModuleHnNSF.uv`, the noise branch) is unused by
 the generator and not drawn.
 

@@ -186,7 +186,7 @@ class HiFTSessionState:
 def plan_chunk(st: HiFTSessionState, n_new: int, finalize: bool, cfg: HiFTConfig) -> ChunkPlan:
     """Which frames a chunk of `n_new` mel frames reads, computes and emits.
 
-    Upstream semantics (ref §5.5-5.6): with T frames and no finalize, f0 exists for T-3 frames
+    Upstream semantics (docs/REFERENCE.md §5.5-5.6): with T frames and no finalize, f0 exists for T-3 frames
     (the last 3 are conv0's right context), conv_pre outputs T-7 frames (4 more of context) and
     the last frame of that is dropped, so audio reaches frame T-8; with finalize everything up
     to T is emitted against zero right padding. The decoder re-runs on frames [w0, ...) with

@@ -1,4 +1,4 @@
-"""Source STFT and the iSTFT head for ragged, left-aligned rows (ref §5.2 rows 4 and 10).
+"""Source STFT and the iSTFT head for ragged, left-aligned rows (docs/REFERENCE.md §5.2 rows 4 and 10).
 
 Upstream runs `torch.stft(center=True)` (reflect pad n_fft/2 on both ends) on one row and
 `torch.istft(center=True)` on one row. In a batch whose rows end at different positions, both
