@@ -36,24 +36,10 @@ CLOSED=${CLOSED:-64}
 OVERLOAD_S=${OVERLOAD_S:-20}
 DEST=${OUT:-out}/capacity
 if [ -n "${OUT:-}" ]; then RAW=${BENCH_RAW:-/tmp/token2wav-capacity}; else RAW=${BENCH_RAW:-$DEST/raw}; fi
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1
 START=$SECONDS
 left() { echo $((TOTAL - (SECONDS - START))); }
 
-deps='import grpc, grpc_health.v1.health, grpc_reflection.v1alpha.reflection, prometheus_client, torch
-import token2wav.v1.gateway_pb2_grpc, token2wav.v1.flow_pb2_grpc, token2wav.v1.vocoder_pb2_grpc'
-if ! $PY -c "$deps" 2>/dev/null; then
-  if ls .whl/*.whl >/dev/null 2>&1; then
-    echo "installing carried wheels from .whl/ into /tmp/site"
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PYTHONPATH
-  fi
-  $PY -c "$deps" || { echo "missing Python packages (see the header of $0)"; exit 1; }
-fi
-$PY -c 'import matplotlib' 2>/dev/null || echo "matplotlib missing: no plots"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+. bench/gpu_env.sh
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
 
 rm -rf "$RAW" && mkdir -p "$RAW" "$DEST"

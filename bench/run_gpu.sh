@@ -28,25 +28,10 @@ DEVICE=${DEVICE:-cuda}  # DEVICE=cpu PRESET=small BENCH_SECONDS=120: a dry run o
 TOTAL=${BENCH_SECONDS:-510}  # whole script, s; the device tool stops a command at 600
 DEST=${OUT:-out}/bench
 if [ -n "${OUT:-}" ]; then RAW=${BENCH_RAW:-/tmp/token2wav-bench}; else RAW=${BENCH_RAW:-$DEST/raw}; fi
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1
 START=$SECONDS
 left() { echo $((TOTAL - (SECONDS - START))); }
 
-# the stubs' import also checks that grpcio and protobuf are new enough for them
-deps='import grpc, grpc_health.v1.health, grpc_reflection.v1alpha.reflection, prometheus_client, torch
-import token2wav.v1.gateway_pb2_grpc, token2wav.v1.flow_pb2_grpc, token2wav.v1.vocoder_pb2_grpc'
-if ! $PY -c "$deps" 2>/dev/null; then
-  if ls .whl/*.whl >/dev/null 2>&1; then
-    echo "installing carried wheels from .whl/ into /tmp/site"
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PYTHONPATH
-  fi
-  $PY -c "$deps" || { echo "missing Python packages (see the header of $0)"; exit 1; }
-fi
-$PY -c 'import matplotlib' 2>/dev/null || echo "matplotlib missing: no plots"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+. bench/gpu_env.sh
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
 
 rm -rf "$RAW" && mkdir -p "$RAW" "$DEST"
