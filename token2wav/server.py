@@ -261,6 +261,7 @@ class GrpcServer:
         self.port = 0
         self.metrics_port = 0
         self._metrics_httpd = None
+        self._serving: bool | None = None  # what health last said; None before the first call
         self._stop = asyncio.Event()
 
     async def start(self) -> int:
@@ -328,6 +329,11 @@ class GrpcServer:
             if serving
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
+        # Logged where health changes, not where the service asks: a gateway's health also
+        # waits for its replicas, so "SERVING" in the log is what its clients see.
+        if serving != self._serving and (serving or self._serving is not None):
+            logger.info("SERVING" if serving else "NOT_SERVING")
+        self._serving = serving
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -373,6 +379,5 @@ class GrpcServer:
             raise
         if not self._stop.is_set():
             await self.set_serving(True)
-            logger.info("SERVING")
         await self._stop.wait()
         await self.drain()
