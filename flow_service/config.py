@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from flow_service.costmodel import CostPrior
 from flow_service.model import FLOW_PRESETS
 from flow_service.scheduler import BatchPolicy
-from token2wav.cli import EnvParser, add_server_flags
+from token2wav.cli import EnvParser, add_server_flags, prog
 from token2wav.dtypes import DTYPES
 from token2wav.server import ServerOptions
 
@@ -16,7 +16,7 @@ from token2wav.server import ServerOptions
 def build_parser() -> EnvParser:
     p = EnvParser(
         "FLOW",
-        prog="python -m flow_service",
+        prog=prog("flow_service"),
         description="Stage 1 of token2wav: speech tokens -> mel by CosyVoice3's DiT "
         "flow matching, calls from all streams batched into masked, "
         "ragged solver passes.",

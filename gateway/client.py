@@ -44,7 +44,7 @@ from gateway.voice_cli import (
     voice_from_gateway,
 )
 from token2wav import SAMPLE_RATE, SAMPLES_PER_TOKEN, VOCAB_SIZE
-from token2wav.cli import run_main
+from token2wav.cli import prog, run_main
 from token2wav.errors import DETAILS_KEY, STATUS_KEY, InvalidArgument
 from token2wav.security import channel_credentials
 from token2wav.server import channel_options
@@ -536,7 +536,7 @@ def run_synthesis(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m gateway.client",
+        prog=prog("gateway.client"),
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

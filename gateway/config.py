@@ -10,7 +10,7 @@ from gateway.admission import AdmissionConfig
 from gateway.deadlines import DeadlineConfig
 from gateway.inbound import InboundLimits
 from gateway.pipeline import PipelineLimits
-from token2wav.cli import EnvParser, add_server_flags
+from token2wav.cli import EnvParser, add_server_flags, prog
 from token2wav.security import TokenAuth, load_tokens
 from token2wav.server import ServerOptions
 
@@ -18,7 +18,7 @@ from token2wav.server import ServerOptions
 def build_parser() -> EnvParser:
     p = EnvParser(
         "GATEWAY",
-        prog="python -m gateway",
+        prog=prog("gateway"),
         description="The public token2wav API: one bidirectional Synthesize stream per "
         "utterance; chunks it, pipelines flow and vocoder, returns ordered "
         "audio.",

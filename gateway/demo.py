@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from gateway.client import load_tokens, load_voice, make_sample, run_synthesis
-from token2wav.cli import run_main
+from token2wav.cli import prog, run_main
 from token2wav.healthcheck import check
 from token2wav.server import bind_problem
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(argv: list[str] | None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gateway.demo", description=__doc__)
+    p = argparse.ArgumentParser(prog=prog("gateway.demo"), description=__doc__)
     p.add_argument("--out-dir", default="out", help="where the sample inputs and WAV go")
     p.add_argument("--device", default="cpu", help="device for flow and vocoder")
     p.add_argument("--pace", type=float, default=0.0, help="tokens/s sent (0: all at once)")

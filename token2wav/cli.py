@@ -18,6 +18,14 @@ import grpc
 
 from token2wav.errors import StartupError
 
+
+def prog(module: str) -> str:
+    """The program name for usage lines: the console script's own name when started as one
+    (`token2wav-flow`), else `python -m MODULE`."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name.startswith("token2wav") else f"python -m {module}"
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 

@@ -10,6 +10,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from token2wav.cli import prog
 from token2wav.security import channel_credentials
 
 
@@ -39,7 +40,7 @@ def check(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m token2wav.healthcheck", description=__doc__)
+    p = argparse.ArgumentParser(prog=prog("token2wav.healthcheck"), description=__doc__)
     p.add_argument("--addr", default="127.0.0.1:50051", help="server address HOST:PORT")
     p.add_argument("--service", default="", help="service name; empty = the whole server")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")

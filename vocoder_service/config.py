@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from token2wav import MAX_FRAMES, MEL_BINS
-from token2wav.cli import EnvParser, add_server_flags
+from token2wav.cli import EnvParser, add_server_flags, prog
 from token2wav.dtypes import DTYPES
 from token2wav.security import PeerCertAuth
 from token2wav.server import ServerOptions
@@ -95,7 +95,7 @@ class ModelConfig:
 def build_parser() -> EnvParser:
     p = EnvParser(
         "VOCODER",
-        prog="python -m vocoder_service",
+        prog=prog("vocoder_service"),
         description="The Stage-2 vocoder server (mel -> 24 kHz audio), one HiFT cache session "
         "per stream, batched across sessions. Every flag mirrors a VOCODER_* env var.",
     )
