@@ -4,7 +4,8 @@
 the `Scheduler` for a `Plan`, has the `FlowRunner` (flow_service/runner.py) run it on its worker
 thread (own CUDA stream, CUDA graphs) so the event loop keeps accepting calls while a batch
 computes, and hands each slot's result to the call in that slot. A call cancelled while waiting
-leaves the queue; one cancelled while its batch runs has its row discarded. A batch that raises fails only its own calls.
+leaves the queue; one cancelled while its batch runs has its row discarded. A batch that raises
+fails only its own calls.
 
 Preemption: a batch of later chunks takes 10 solver steps, up to a couple of seconds at 64 rows
 of long chunks. A first chunk arriving meanwhile (time to first audio) would wait for all of
