@@ -46,13 +46,13 @@ def main() -> None:
     engine = FlowEngine(model, BatchPolicy())
     asyncio.run(_warm(engine))
     batch = warmup_batch(a.batch, a.frames)
-    engine._generate(batch)  # this shape's first call (allocator, kernel choice) not traced
+    engine.runner.generate(batch)  # this shape's first call (allocator, kernel choice) not traced
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available() and a.device != "cpu":
         activities.append(ProfilerActivity.CUDA)
     t = time.perf_counter()
     with profile(activities=activities) as prof:
-        engine._generate(batch)
+        engine.runner.generate(batch)
     wall_ms = (time.perf_counter() - t) * 1e3
     sort = "cuda_time_total" if ProfilerActivity.CUDA in activities else "cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=a.rows, max_name_column_width=60)
@@ -67,7 +67,7 @@ def main() -> None:
     with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:  # ~10x smaller
         shutil.copyfileobj(src, dst)
     trace.unlink()
-    engine._executor.shutdown()
+    engine.runner.close()
 
 
 async def _warm(engine: FlowEngine) -> None:

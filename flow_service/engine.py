@@ -1,10 +1,11 @@
-"""The flow engine: a queue of calls, the scheduling loop, and the runner thread.
+"""The flow engine: a queue of calls and the scheduling loop; the device side is the runner.
 
 `submit()` is called by the servicer for each validated chunk and awaits its mel. The loop asks
-the `Scheduler` for a `Plan`, runs the model on a worker thread (its own CUDA stream) so the
-event loop keeps accepting calls while a batch computes, and hands each slot's result to the
-call in that slot. A call cancelled while waiting leaves the queue; one cancelled while its
-batch runs has its row discarded. A batch that raises fails only its own calls.
+the `Scheduler` for a `Plan`, has the `FlowRunner` (flow_service/runner.py) run it on its worker
+thread (own CUDA stream, CUDA graphs) so the event loop keeps accepting calls while a batch
+computes, and hands each slot's result to the call in that slot. A call cancelled while waiting
+leaves the queue; one cancelled while its batch runs has its row discarded. A batch that raises
+fails only its own calls.
 
 Preemption: a batch of later chunks takes 10 solver steps, up to a couple of seconds at 64 rows
 of long chunks. A first chunk arriving meanwhile (time to first audio) would wait for all of
@@ -19,12 +20,9 @@ batch times learns from every batch run here.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +30,7 @@ import torch
 from flow_service import metrics
 from flow_service.costmodel import CostModel, num_solver_steps
 from flow_service.model import ChunkRequest, FlowModel, PrefixCache
+from flow_service.runner import BetweenSteps, FlowRunner, UrgentRequest
 from flow_service.scheduler import BatchPolicy, CallStatus, PendingCall, Plan, Scheduler
 from token2wav.errors import DeadlineExceeded, ServiceError, Unavailable
 
@@ -51,38 +50,6 @@ class FlowResult:
     padded_frames: int
 
 
-class _UrgentRequest:
-    """The runner's request for an urgent batch, answered on the loop thread. A runner that
-    gives up (timeout) closes it first, so a plan is never taken out of the queue unseen."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._answered = threading.Event()
-        self._closed = False
-        self._plan: Plan | None = None
-
-    def open(self) -> bool:
-        """Loop thread, before taking calls: False once the runner has given up. The lock
-        stays held until deliver()."""
-        self._lock.acquire()
-        if self._closed:
-            self._lock.release()
-            return False
-        return True
-
-    def deliver(self, plan: Plan | None) -> None:
-        self._plan = plan
-        self._answered.set()
-        self._lock.release()
-
-    def wait(self, timeout: float) -> Plan | None:
-        if self._answered.wait(timeout):
-            return self._plan
-        with self._lock:  # either the loop delivered meanwhile, or it never will
-            self._closed = True
-            return self._plan
-
-
 class FlowEngine:
     def __init__(
         self,
@@ -98,29 +65,20 @@ class FlowEngine:
         order_streams: bool = True,
     ):
         self.model = model
-        # Keys/values of streams' complete earlier blocks (eager batches only: a graphed batch
-        # is launch-bound, recomputing its prefix costs little there).
-        self.prefix_cache = prefix_cache
+        self.prefix_cache = prefix_cache  # the runner's; the engine drops cancelled streams
         self.order_streams = order_streams
         self._chains: dict[str, list[tuple[int, asyncio.Event]]] = {}  # key -> calls in flight
         self.policy = policy
         self.cost = cost or CostModel(num_solver_steps(model))
         self.scheduler = Scheduler(policy, self.cost)
         self.log_batches = log_batches
-        self.device = next(model.parameters()).device
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="flow-runner")
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # Small batches are launch-bound (~900 kernels per solver step): replaying CUDA graphs
-        # cuts a bf16 step at B=1 from 18 to 3.6 ms on an H200. Shapes are bucketed (requests
-        # to a power of two, frames to a multiple) so a few dozen graphs cover the workload;
-        # large batches are compute-bound and run eagerly.
-        self._graphs = None
-        if cuda_graphs and self._stream is not None:
-            from flow_service.model import GraphedEstimator
-
-            self._graphs = GraphedEstimator(model.decoder.estimator, max_graphs=128)
-        self.graph_max_batch = graph_max_batch
-        self.graph_frame_multiple = graph_frame_multiple
+        self.runner = FlowRunner(
+            model,
+            prefix_cache=prefix_cache,
+            cuda_graphs=cuda_graphs,
+            graph_max_batch=graph_max_batch,
+            graph_frame_multiple=graph_frame_multiple,
+        )
         self.preempt = preempt
         self._loop_ref: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -137,7 +95,6 @@ class FlowEngine:
         self._remaining_s = 0.0
         self._running_due = math.inf
         self.num_preemptions = 0
-        self._nested_s = 0.0  # runner thread only: time spent in urgent batches
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._futures: dict[int, asyncio.Future] = {}  # call_id -> the waiting caller's future
@@ -162,15 +119,11 @@ class FlowEngine:
             self._fail(call, Unavailable("flow service is shutting down"))
         self.scheduler.waiting.clear()
         # Off the loop: a runner between two steps may still be waiting for the loop's answer.
-        await asyncio.to_thread(self._executor.shutdown, wait=True)
+        await asyncio.to_thread(self.runner.close)
 
     async def warmup(self, requests: list[ChunkRequest]) -> None:
         """Run the model off the loop (kernels, allocator, CUDA graphs) before SERVING."""
-        loop = asyncio.get_running_loop()
-        for batch in [requests, *self.graph_warmup_requests()]:
-            await loop.run_in_executor(self._executor, self._generate, batch)
-        if self._graphs is not None:
-            logger.info("captured %d CUDA graphs", len(self._graphs))
+        await self.runner.warmup(requests)
 
     # -- calls -------------------------------------------------------------------------------
     async def submit(
@@ -277,7 +230,7 @@ class FlowEngine:
                 continue
             started = time.monotonic()
             try:
-                outputs = await loop.run_in_executor(self._executor, self._run, plan)
+                outputs = await loop.run_in_executor(self.runner.executor, self._run, plan)
             except Exception as exc:  # noqa: BLE001 - the batch's calls fail, the server lives
                 logger.exception("batch of %d failed", len(plan.calls))
                 self._finish(plan, None, exc, started)
@@ -301,53 +254,8 @@ class FlowEngine:
     def _next_deadline(self) -> float:
         return min((c.deadline for c in self.scheduler.waiting), default=math.inf)
 
-    def _generate(self, requests: list[ChunkRequest], between_steps=None) -> list[torch.Tensor]:
-        cache = self.prefix_cache
-        if self._stream is None:
-            return self.model.generate(requests, between_steps=between_steps, prefix_cache=cache)
-        num = len(requests)
-        with torch.cuda.stream(self._stream):
-            if self._graphs is not None and num <= self.graph_max_batch:
-                # Pad the batch to a power of two with copies of a real row (rows are
-                # independent; the copies' outputs are dropped) so the graph shape repeats.
-                bucket = 1 << (num - 1).bit_length()
-                padded = requests + [requests[-1]] * (bucket - num)
-                outputs = self.model.generate(
-                    padded,
-                    estimator=self._graphs,
-                    frame_multiple=self.graph_frame_multiple,
-                    between_steps=between_steps,
-                )[:num]
-                if cache is not None:  # graphed rows skip the cache; finished streams leave it
-                    for req in requests:
-                        if req.finalize and req.cache_key:
-                            cache.drop(req.cache_key)
-            else:
-                outputs = self.model.generate(
-                    requests, between_steps=between_steps, prefix_cache=cache
-                )
-        self._stream.synchronize()
-        return outputs
-
-    def graph_warmup_requests(self, max_frames: int = 800) -> list[list[ChunkRequest]]:
-        """Batches covering every graph bucket up to `max_frames`, to capture before SERVING."""
-        if self._graphs is None:
-            return []
-        from flow_service.warmup import warmup_batch
-
-        sizes = [
-            1 << i
-            for i in range(self.graph_max_batch.bit_length())
-            if 1 << i <= self.graph_max_batch
-        ]
-        step = self.graph_frame_multiple
-        return [warmup_batch(b, t) for b in sizes for t in range(step, max_frames + 1, step)]
-
     def _run(self, plan: Plan, nested: bool = False) -> tuple[list[torch.Tensor], float, float]:
-        """Runner thread: (outputs, wall s, own s). Wall time includes any urgent batch run
-        between this batch's steps (what its callers waited); own time does not."""
-        t0 = time.perf_counter()
-        nested_before = self._nested_s
+        """Runner thread: (outputs, wall s, own s), as FlowRunner.execute."""
         # Only a batch without first chunks (that have no deadline) gives way, and an urgent
         # batch never does: nesting is one level deep.
         preemptible = (
@@ -355,27 +263,21 @@ class FlowEngine:
             and not nested
             and not any(c.is_first_chunk and c.due == math.inf for c in plan.calls)
         )
+        between_steps = None
         if preemptible:
             self._step_s = self.cost.step_s(len(plan.calls), plan.padded_len)
             self._remaining_s = self.cost.estimate(len(plan.calls), plan.padded_len)
             self._running_due = min(c.due for c in plan.calls)
-        hook = None
-        if preemptible:
-            # Eager batches (more rows than graphs take) have long steps: look at the queue
-            # when the GPU has finished each one, not when the CPU has queued it (it runs a
-            # step or more ahead), so an urgent batch starts on an idle card; the sync costs
-            # microseconds a step. Short graphed steps keep CPU/GPU overlap and sync only
-            # when first chunks wait.
-            eager = self._graphs is None or len(plan.calls) > self.graph_max_batch
-            hook = functools.partial(self._between_steps, sync_every_step=eager)
-        outputs = self._generate([c.payload for c in plan.calls], between_steps=hook)
+            between_steps = BetweenSteps(
+                self._loop_ref, self._urgent, self._take_urgent, self._run_urgent
+            )
+        outputs, wall, own = self.runner.execute([c.payload for c in plan.calls], between_steps)
         if len(outputs) != len(plan.calls):
             raise SlotMismatch(f"model returned {len(outputs)} results for {len(plan.calls)} slots")
-        wall = time.perf_counter() - t0
-        return outputs, wall, wall - (self._nested_s - nested_before)
+        return outputs, wall, own
 
-    def _between_steps(self, sync_every_step: bool) -> None:
-        """Runner thread, between two solver steps of a preemptible batch."""
+    def _urgent(self) -> bool:
+        """Runner thread, between two solver steps of a preemptible batch: must it give way?"""
         # Urgent: a first chunk without a deadline waits, or a call that cannot wait for the
         # rest of this batch (its latest start is before the batch ends) and is due before
         # the batch's own rows (Scheduler.preempt_due; read here without the loop thread).
@@ -384,37 +286,26 @@ class FlowEngine:
         due_soon = (
             time.monotonic() + wait >= self._latest_start and self._min_due < self._running_due
         )
-        urgent = (
+        return (
             (self._first_waiting > 0 or due_soon)
             and not self._stopping
             and self._loop_ref is not None
         )
-        if self._stream is not None and (sync_every_step or urgent):
-            self._stream.synchronize()  # an urgent batch then starts on an idle card
-        if not urgent:
-            return
-        ask = _UrgentRequest()
-        try:
-            asyncio.run_coroutine_threadsafe(self._take_urgent(ask), self._loop_ref)
-        except RuntimeError:  # the loop is closed
-            return
-        plan = ask.wait(timeout=5.0)
-        if plan is None:
-            return
+
+    def _run_urgent(self, plan: Plan) -> None:
+        """Runner thread: run the urgent batch to the end, then hand its results to the loop."""
         started = time.monotonic()
-        t0 = time.perf_counter()
         try:
             result, exc = self._run(plan, nested=True), None
         except Exception as e:  # noqa: BLE001 - fails the urgent calls only
             logger.exception("urgent batch of %d failed", len(plan.calls))
             result, exc = None, e
-        self._nested_s += time.perf_counter() - t0
         try:
             self._loop_ref.call_soon_threadsafe(self._finish, plan, result, exc, started)
         except RuntimeError:  # the loop closed meanwhile: nobody is left to answer
             pass
 
-    async def _take_urgent(self, ask: _UrgentRequest) -> None:
+    async def _take_urgent(self, ask: UrgentRequest) -> None:
         """Loop thread: hand the waiting first chunks to the runner as one batch."""
         if not ask.open():
             return  # the runner stopped waiting; take nothing out of the queue

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from flow_service.engine import _UrgentRequest
+from flow_service.runner import UrgentRequest
 from flow_service.scheduler import BatchPolicy, CallStatus, PendingCall, Plan, Scheduler
 from token2wav.errors import ResourceExhausted
 
@@ -96,11 +96,11 @@ def test_wait_only_while_busy_and_bounded_queue():
 
 
 def test_urgent_request_is_never_answered_after_the_runner_gave_up():
-    ask = _UrgentRequest()
+    ask = UrgentRequest()
     assert ask.wait(timeout=0.01) is None  # the loop did not answer in time
     assert not ask.open()  # so the loop takes nothing out of the queue afterwards
 
-    ask = _UrgentRequest()
+    ask = UrgentRequest()
     plan = Plan([call(200, first=True)], 200)
     answered = threading.Thread(target=lambda: ask.open() and ask.deliver(plan))
     answered.start()
@@ -123,7 +123,7 @@ def test_urgent_request_answered_while_the_runner_times_out_is_still_received():
             self.timed_out.set()
             return False
 
-    ask = _UrgentRequest()
+    ask = UrgentRequest()
     ask._answered = TimesOut()
     plan = Plan([call(200, first=True)], 200)
     assert ask.open()  # this thread is the loop: it holds the lock, taking calls

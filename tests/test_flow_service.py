@@ -391,7 +391,7 @@ async def test_preemption_on_cuda_sharing_a_graph_changes_no_result():
         finally:
             await engine.stop()
         assert sorted(map(sorted, slow.batches)) == [[0, 0], [25, 25]]
-        assert len(engine._graphs) == 1  # both batches replayed the one graph
+        assert len(engine.runner.graphs) == 1  # both batches replayed the one graph
         return engine.num_preemptions, [r.mel for r in results]
 
     preempted, with_preemption = await run(True)
