@@ -7,6 +7,7 @@ same port, as a crashed pod would be."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,23 @@ from vocoder_service.config import build_parser as vocoder_parser
 from vocoder_service.service import VocoderService
 
 LOOPBACK = ("--port", "0", "--metrics-port", "0")
+
+
+async def until(condition, timeout: float = 30.0, what: str = "condition not reached") -> None:
+    """Yield to the loop until `condition()` holds; fail with `what` after `timeout` seconds.
+    The tests wait with this (or `wait_until` off the loop), never with a bare sleep."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.005)
+
+
+def wait_until(condition, timeout: float = 30.0, what: str = "condition not reached") -> None:
+    """`until` for a test that blocks its thread (sync gRPC, a subprocess)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
 
 
 def flow_config(*flags: str, port: int = 0) -> FlowConfig:

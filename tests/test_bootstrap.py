@@ -6,12 +6,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
+from _stack import wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from token2wav.errors import InvalidArgument, NotFound
@@ -24,15 +24,6 @@ HERE = Path(__file__).resolve().parent
 def _health(channel, service=""):
     stub = health_pb2_grpc.HealthStub(channel)
     return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
-
-
-def _wait_for(pred, timeout=10.0, step=0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return False
 
 
 def test_health_warmup_sigterm_drain_and_metrics():
@@ -64,7 +55,7 @@ def test_health_warmup_sigterm_drain_and_metrics():
         # Listening but still warming up: NOT_SERVING, for the whole server and the service.
         assert _health(channel) == NOT
         assert _health(channel, "test.Slow") == NOT
-        assert _wait_for(lambda: _health(channel) == SERVING)
+        wait_until(lambda: _health(channel) == SERVING, 10, "never SERVING after warm-up")
         assert _health(channel, "test.Slow") == SERVING
 
         count = channel.unary_stream("/test.Slow/Count")
@@ -87,15 +78,24 @@ def test_health_warmup_sigterm_drain_and_metrics():
 
         reader = threading.Thread(target=consume)
         reader.start()
-        assert _wait_for(lambda: len(received) >= 2)
+        wait_until(lambda: len(received) >= 2, 10, "the stream sent nothing")
         proc.send_signal(signal.SIGTERM)
         # Drain delay: still accepting, but health says NOT_SERVING.
-        assert _wait_for(lambda: _health(channel) == NOT, timeout=0.5)
-        # After the delay the listener refuses new calls while the old stream goes on.
-        time.sleep(0.8)
-        with pytest.raises(grpc.RpcError) as info:
-            list(count(b"1,0", timeout=5))
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        wait_until(lambda: _health(channel) == NOT, 0.5, "still SERVING 0.5 s after SIGTERM")
+        # After the delay the listener refuses new calls while the old stream goes on: short
+        # calls (answered at once while it still accepts) until one is refused.
+        refused = []
+
+        def probe_refused():
+            try:
+                list(count(b"1,0", timeout=5))
+            except grpc.RpcError as exc:
+                refused.append(exc.code())
+                return True
+            return False
+
+        wait_until(probe_refused, 10, "new calls still accepted 10 s after SIGTERM")
+        assert refused == [grpc.StatusCode.UNAVAILABLE]
         assert len(received) < 12, "the in-flight stream should still be running"
         reader.join(15)
         assert not errors, errors

@@ -5,6 +5,7 @@ overload and drain answer with the documented codes."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 
@@ -12,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from _stack import start_flow
+from _stack import start_flow, until
 
 from flow_service.engine import FlowEngine
 from flow_service.model import ChunkRequest, Voice, load_flow
@@ -71,11 +72,13 @@ class SlowSteps(torch.nn.Module):
         return self.inner.generate(chunks, between_steps=step_done, **kw)
 
 
-async def until(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.005)
+def listening(port: int) -> bool:
+    """Whether a TCP connect to the port on loopback is accepted."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 async def start(model, *flags):
@@ -300,14 +303,16 @@ async def test_overload_is_rejected_quickly(model):
 
 async def test_drain_finishes_in_flight_and_refuses_new(model):
     args = ["--grace-period", "10"]
-    server, engine, channel = await start(SlowModel(model, 0.4), *args)
+    slow = SlowModel(model, 0.4)
+    server, engine, channel = await start(slow, *args)
     stub = flow_pb2_grpc.FlowStub(channel)
     voice, tokens = make_stream(11, 10, 20)
     req = request_for(voice, tokens, 0, False, True)
     in_flight = asyncio.ensure_future(stub.Generate(req, timeout=30))
-    await asyncio.sleep(0.1)
+    await until(lambda: slow.batch_sizes)  # the runner holds it
     drain = asyncio.ensure_future(server.drain())
-    await asyncio.sleep(0.1)
+    await until(lambda: not listening(server.port))  # the listener closed
+    assert not in_flight.done()
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Generate(req, timeout=5)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE

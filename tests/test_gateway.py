@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from _reference import reference_synthesis
-from _stack import start_stack, stream_inputs
+from _stack import start_stack, stream_inputs, until
 
 from flow_service.model import load_flow
 from gateway.client import AsyncClient, load_voice, make_sample, run_synthesis
@@ -46,6 +46,7 @@ async def run_stream(client, voice, tokens, seed, fmt="float32", **kw):
             n = int(rng.integers(1, 30))
             await stream.send(tokens[i : i + n])
             i += n
+            # the pace under test: a client whose tokens trickle in, not a wait for the server
             await asyncio.sleep(float(rng.uniform(0, 0.03)))
         await stream.end()
 
@@ -150,16 +151,17 @@ async def test_client_cancel_drops_session_and_flow_calls(models):
             assert first.seq == 0
             assert "victim" in stack.sessions()
             victim.cancel()
-            t0 = time.monotonic()
-            while "victim" in stack.sessions() and time.monotonic() - t0 < 1.0:
-                await asyncio.sleep(0.02)
-            assert "victim" not in stack.sessions(), "vocoder session outlived the cancel by 1 s"
+            await until(
+                lambda: "victim" not in stack.sessions(),
+                timeout=1.0,
+                what="vocoder session outlived the cancel by 1 s",
+            )
             chunks = await other
         check_exactly_once(chunks, len(other_tokens))
         ref = np.concatenate(reference_synthesis(*models, other_voice, other_tokens))
         assert snr_db(np.concatenate([c.samples for c in chunks]), ref) >= 60
-        await asyncio.sleep(0.2)
-        assert len(stack.engine.scheduler) == 0
+        # the victim's flow calls leave the queue (cancelled), not run late
+        await until(lambda: len(stack.engine.scheduler) == 0, timeout=0.2)
     finally:
         await stack.stop()
 

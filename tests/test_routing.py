@@ -8,6 +8,7 @@ import socket
 import grpc
 import numpy as np
 import pytest
+from _stack import until
 
 from gateway.routing import ReplicaSet, parse_spec, rendezvous, rendezvous_order
 
@@ -29,15 +30,6 @@ async def _slow_server(delay_s: float, arrived: asyncio.Event | None = None):
     port = server.add_insecure_port("0.0.0.0:0")  # 127.0.0.1 and 127.0.0.2 both reach it
     await server.start()
     return server, port
-
-
-async def _until(condition, timeout: float = 10.0) -> None:
-    """Yield to the loop until `condition()` holds; fail after `timeout` seconds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 def _fake_dns(monkeypatch, answers: dict[str, list[str]]) -> None:
@@ -79,7 +71,9 @@ async def test_call_on_a_replica_that_left_dns_finishes(monkeypatch):
     )
     try:
         assert await call == b"done:x"
-        await _until(lambda: replicas.num_retiring == 0)  # closes once its last call ends
+        await until(
+            lambda: replicas.num_retiring == 0, timeout=10
+        )  # closes once its last call ends
         # New calls go to the replica still in DNS.
         addr = await replicas.pick("some-request-id")
         assert addr.startswith("127.0.0.1:")
@@ -98,7 +92,7 @@ async def test_retire_grace_bounds_how_long_a_leaving_replica_is_kept(monkeypatc
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(call, timeout=3.0)
         assert call.cancelled() or isinstance(call.exception(), asyncio.CancelledError)
-        await _until(lambda: replicas.num_retiring == 0)
+        await until(lambda: replicas.num_retiring == 0, timeout=10)
     finally:
         await replicas.close()
         await server.stop(None)
@@ -156,8 +150,8 @@ async def test_a_call_cancelled_under_a_stream_fails_it_instead_of_hanging():
     assert isinstance(pipeline._failure.exception(), Aborted)
 
     pipeline = StreamPipeline(setup, None, None, PipelineLimits())
-    task = pipeline._spawn(asyncio.sleep(30), "vocoder")
-    await asyncio.sleep(0)
+    task = pipeline._spawn(asyncio.Event().wait(), "vocoder")  # runs until cancelled
+    await asyncio.sleep(0)  # one turn of the loop: the task starts and waits
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert task.cancelled() and not pipeline._failure.done()

@@ -2,7 +2,6 @@
 lifetime, batching across sessions, export/import, bad input; plus the batcher and runner
 without gRPC."""
 
-import asyncio
 import os
 import random
 import signal
@@ -15,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from _stack import until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
@@ -192,14 +192,18 @@ async def test_conflicting_duplicate_is_aborted_and_the_session_goes_on(serve, m
 
 
 async def test_gap_that_fills_in_time_is_applied(serve, model):
-    c = await serve(gap_timeout_s=2.0, sweep_interval_s=0.05)
+    c = await serve(gap_timeout_s=0.3, sweep_interval_s=600)  # sweeps only when the test says
     mel = make_mel(6, 60)
     msgs = chunks_of("gap-fills", split(mel, [20, 20, 20]))
     call = c.stub.Session(timeout=30)
     await call.write(msgs[0])
     await call.write(msgs[2])  # seq 1 is missing: seq 2 waits
     first = await call.read()
-    await asyncio.sleep(0.3)  # longer than a step, shorter than the gap timeout
+    s = c.manager._active["gap-fills"]
+    await until(lambda: s.blocked_since is not None)  # seq 0 applied, seq 2 waits on the gap
+    assert list(s.pending) == [2]
+    c.manager.sweep(now=s.blocked_since + 0.29)  # just short of the gap timeout
+    assert c.manager._active.get("gap-fills") is s and s.error is None
     await call.write(msgs[1])
     await call.done_writing()
     rest = [await call.read(), await call.read()]
@@ -273,14 +277,6 @@ async def test_caps_answer_resource_exhausted(serve):
     assert [m.seq for m in answers] == [1, 2, 3] and answers[-1].is_final
 
 
-async def until(condition, timeout: float = 30.0) -> None:
-    """Yield to the loop until `condition()` holds; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.005)
-
-
 def active_after(manager, request_id: str, idle_s: float) -> int:
     """Open sessions after a sweep `idle_s` seconds after `request_id`'s last chunk."""
     manager.sweep(now=manager._active[request_id].last_active + idle_s)
@@ -334,9 +330,10 @@ async def test_resume_after_the_transport_stream_is_cut(serve, model):
     await call.write(msgs[0])
     first = await call.read()
     await call.write(msgs[1])  # its answer is lost with the stream
-    await asyncio.sleep(0.2)
+    s = c.manager._active["resume"]
+    await until(lambda: s.next_seq == 2 and s.inflight is None)  # seq 1 applied
     call.cancel()
-    await asyncio.sleep(0.1)
+    await until(lambda: "resume" not in c.manager._streams)  # the server saw the stream end
     assert c.manager.stats()["num_active"] == 1  # the session outlives its transport
     rest = await c.run(msgs[1:])  # resend the unanswered seq 1, then go on
     assert [m.seq for m in rest] == [1, 2, 3]
@@ -549,8 +546,8 @@ async def test_session_memory_is_bounded_and_reported(serve):
     assert len(s.applied) == 3  # the retry cache keeps the last 3 answers only
     # Once the HiFT window and the retry cache are full, the session stops growing.
     assert max(sizes[5:]) <= sizes[5] and s.state.nbytes < 200_000
-    await asyncio.sleep(0.15)  # a sweep publishes the gauges
-    assert metric("t2w_vocoder_state_bytes") >= sizes[-1]
+    # the sweeper (every 0.05 s) publishes the gauges
+    await until(lambda: metric("t2w_vocoder_state_bytes") >= sizes[-1], timeout=10)
     assert metric("t2w_vocoder_active_sessions") >= 1
     assert metric("t2w_vocoder_batch_sessions_count") > 0
     assert metric("t2w_vocoder_chunk_latency_seconds_count") > 0
