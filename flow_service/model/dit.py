@@ -4,14 +4,17 @@ Attribute names mirror the upstream state-dict keys (docs/REFERENCE.md §9), so 
 strict matching; the code itself is written for batched inference: channel-last tensors, one
 additive attention bias per call built outside the layer loop, in-place partial rotary.
 
-Dimensions:
-    r  rows = 2B (B conditional rows, then the same B rows unconditional)
-    t  frames (padded to the longest row)
-    c  mel channels (80); x, cond, mu and the speaker vector all have c channels
-    d  model width (1024)
-    h  heads (16), e head width (64); rotary covers the first e channels of q/k = head 0 only
-    f  FFN width (2 d)
-    k  time-feature width (256)
+Dimensions (the legend of docs/DESIGN.md "Shape letters"):
+    b  batch rows: flow calls
+    r  solver rows, 2b: [b conditional; b unconditional]
+    t  mel frames, padded to the longest row
+    c  channels; the 80 mel bins: x, cond, mu and the speaker vector all have c channels
+    d  DiT width (1024)
+    h  attention heads (16), e head width (64); rotary covers the first e channels of q/k =
+       head 0 only
+    f  FFN width (2048 = 2d)
+    z  time-feature width (256)
+The flow time is `tau` (shape (r,)), never `t`.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from torch import nn
 from flow_service.model.config import DiTConfig
 
 ROPE_BASE = 10000.0
-TIME_SCALE = 1000.0  # t in [0, 1] is stretched before the sinusoid (F5-TTS convention)
+TIME_SCALE = 1000.0  # tau in [0, 1] is stretched before the sinusoid (F5-TTS convention)
 BIAS_ALIGN = 16  # SDPA's fused kernels want the bias rows 16-element aligned
 
 
@@ -85,20 +88,20 @@ def ragged_attention_bias(
 
 
 class TimestepEmbedding(nn.Module):
-    """t (r,) -> (r, d): sinusoid of 1000 t (k features, [sin | cos]) then a SiLU MLP."""
+    """tau (r,) -> (r, d): sinusoid of 1000 tau (z features, [sin | cos]) then a SiLU MLP."""
 
     def __init__(self, dim: int, freq_dim: int):
         super().__init__()
         self.freq_dim = freq_dim
         self.time_mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
 
-    def forward(self, t: torch.Tensor) -> torch.Tensor:
+    def forward(self, tau: torch.Tensor) -> torch.Tensor:
         half = self.freq_dim // 2
         step = math.log(10000.0) / (half - 1)
-        freqs = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * -step)
-        # fp32 whatever the weights: in bf16, 1000 t would lose the small steps of the schedule
-        angles = TIME_SCALE * t.float()[:, None] * freqs[None, :]  # (r, k/2)
-        feats = torch.cat((angles.sin(), angles.cos()), dim=-1)  # (r, k)
+        freqs = torch.exp(torch.arange(half, device=tau.device, dtype=torch.float32) * -step)
+        # fp32 whatever the weights: in bf16, 1000 tau would lose the small steps of the schedule
+        angles = TIME_SCALE * tau.float()[:, None] * freqs[None, :]  # (r, z/2)
+        feats = torch.cat((angles.sin(), angles.cos()), dim=-1)  # (r, z)
         return self.time_mlp(feats.to(self.time_mlp[0].weight.dtype))
 
 
@@ -152,7 +155,7 @@ class InputEmbedding(nn.Module):
             return h + self.conv_pos_embed(h, keep)
         # h first: the sum takes its first operand's memory layout, and the conv's output is
         # channel-first. With it first, the whole residual stream was channel-first: every
-        # layer_norm copied its input and every AdaLN/residual kernel ran strided (bf16, B=64:
+        # layer_norm copied its input and every AdaLN/residual kernel ran strided (bf16, b=64:
         # a third of the device time on an H200).
         return h + self.conv_pos_embed(h)
 
@@ -294,7 +297,7 @@ class FinalNorm(nn.Module):
 
 
 class DiT(nn.Module):
-    """Velocity v(x, t | mu, cond, spk) for r rows; channel-last in and out."""
+    """Velocity v(x, tau | mu, cond, spk) for r rows; channel-last in and out."""
 
     def __init__(self, cfg: DiTConfig):
         super().__init__()
@@ -326,12 +329,12 @@ class DiT(nn.Module):
         mu: torch.Tensor,  # (r, t, c) token features; zero in unconditional rows
         cond: torch.Tensor,  # (r, t, c) prompt mel in the prompt frames, else zero
         spks: torch.Tensor,  # (r, c) projected speaker vector; zero in unconditional rows
-        t: torch.Tensor,  # (r,) fp32 flow time per row
+        tau: torch.Tensor,  # (r,) fp32 flow time per row
         attn_bias: torch.Tensor,  # (r, 1, t, t) additive, from `attention_bias`
         frame_mask: torch.Tensor | None = None,  # (r, t, 1) 1 valid / 0 padded, compute dtype
         prefix=None,  # a prefix_cache.DiTPrefix: queries only for the frames after the context
     ) -> torch.Tensor:
-        temb_act = F.silu(self.time_embed(t))  # (r, d); every AdaLN applies SiLU first
+        temb_act = F.silu(self.time_embed(tau))  # (r, d); every AdaLN applies SiLU first
         if prefix is None:
             h = self.input_embed(x, cond, mu, spks)  # (r, t, d)
             rope = self.rotary_embed.tables(x.shape[1])

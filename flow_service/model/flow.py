@@ -1,17 +1,20 @@
 """The Stage-1 flow model (docs/REFERENCE.md §2, §3): tokens + voice -> mel, batched over ragged streams.
 
 `FlowModel.generate(chunks)` runs chunk requests of different streams as ONE Euler/CFG solve of
-2B rows. Per row: its own token count, lookahead handling (final rows right-pad 3 zero
+2b solver rows. Per row: its own token count, lookahead handling (final rows right-pad 3 zero
 embeddings, non-final rows read their 3 real context tokens), sequence length, attention
 (block-causal or full), and position-locked noise. Padding never reaches a valid frame: padded
 token embeddings are exact zeros (what a final row's lookahead reads), the convs after the
 token stage are left-causal, and the attention bias hides padded keys.
 
-Dimensions:
-    b  requests in the batch; the solver runs r = 2b rows ([b conditional; b unconditional])
-    n  tokens (prompt + target, padded to the longest row)
-    t  mel frames (2 per emitted token, padded to the longest row)
-    c  mel channels (80); s speaker embedding width (192); p pre-lookahead width (1024)
+Dimensions (the legend of docs/DESIGN.md "Shape letters"):
+    b  batch rows: flow calls
+    r  solver rows, 2b: [b conditional; b unconditional]
+    n  tokens, prompt + target, padded to the longest row
+    t  mel frames (2 per emitted token), padded to the longest row
+    c  channels; the 80 mel bins unless said otherwise
+    s  speaker embedding width (192); p pre-lookahead width (1024)
+The flow time is `tau` (shape (r,)), its increment `dtau`, the guidance weight `cfg_rate`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from flow_service.model.prefix_cache import PrefixCache, solve_with_prefix
 from flow_service.model.requests import ChunkRequest, validate_chunk
 from token2wav.invalid import InvalidInput
 
-# (x, mu, cond, spks, t, attn_bias, frame_mask) -> velocity; the DiT itself or a graphed replay
+# (x, mu, cond, spks, tau, attn_bias, frame_mask) -> velocity; the DiT itself or a graphed replay
 Estimator = Callable[..., torch.Tensor]
 
 
@@ -60,18 +63,19 @@ def noise_buffer(device: torch.device | str, max_frames: int) -> torch.Tensor:
 
 
 def cosine_schedule(num_steps: int) -> list[tuple[float, float]]:
-    """(t_k, dt_k) per Euler step, as upstream computes them in fp32: t_span = 1 - cos(pi/2 u),
-    u = linspace(0, 1); the running t accumulates dt, and the next dt is t_span[k+1] - t.
-    Computed on the CPU so every device and batch gets identical step values."""
+    """(tau_i, dtau_i) per Euler step, as upstream computes them in fp32:
+    tau_span = 1 - cos(pi/2 u), u = linspace(0, 1); the running tau accumulates dtau, and the
+    next dtau is tau_span[i+1] - tau. Computed on the CPU so every device and batch gets
+    identical step values."""
     u = torch.linspace(0, 1, num_steps + 1, dtype=torch.float32, device="cpu")
-    t_span = 1 - torch.cos(u * 0.5 * torch.pi)
-    t, dt = t_span[0], t_span[1] - t_span[0]
+    tau_span = 1 - torch.cos(u * 0.5 * torch.pi)
+    tau, dtau = tau_span[0], tau_span[1] - tau_span[0]
     steps = []
-    for k in range(1, num_steps + 1):
-        steps.append((float(t), float(dt)))
-        t = t + dt
-        if k < num_steps:
-            dt = t_span[k + 1] - t
+    for i in range(1, num_steps + 1):
+        steps.append((float(tau), float(dtau)))
+        tau = tau + dtau
+        if i < num_steps:
+            dtau = tau_span[i + 1] - tau
     return steps
 
 
@@ -112,12 +116,12 @@ class CFMDecoder(nn.Module):
         mu: torch.Tensor,  # (b, t, c) compute dtype
         cond: torch.Tensor,  # (b, t, c)
         spks: torch.Tensor,  # (b, c)
-        attn_bias: torch.Tensor,  # (2b, 1, t, t)
-        frame_mask: torch.Tensor,  # (2b, t, 1)
+        attn_bias: torch.Tensor,  # (r, 1, t, t)
+        frame_mask: torch.Tensor,  # (r, t, 1)
         estimator: Estimator | None = None,
         between_steps: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """Integrate dx/dt = v from noise at t=0 to the mel at t=1; returns (b, t, c) fp32.
+        """Integrate dx/dtau = v from noise at tau=0 to the mel at tau=1; returns (b, t, c) fp32.
 
         Rows [0, b) carry mu, spk and cond; rows [b, 2b) the same x with all three zeroed
         (the unconditional branch). The Euler state stays fp32 whatever the compute dtype.
@@ -126,19 +130,19 @@ class CFMDecoder(nn.Module):
         run = estimator if estimator is not None else self.estimator
         b = mu.shape[0]
         dtype = mu.dtype
-        mu_in = torch.cat((mu, torch.zeros_like(mu)))  # (2b, t, c)
-        cond_in = torch.cat((cond, torch.zeros_like(cond)))  # (2b, t, c)
-        spks_in = torch.cat((spks, torch.zeros_like(spks)))  # (2b, c)
-        r = self.cfg_rate
+        mu_in = torch.cat((mu, torch.zeros_like(mu)))  # (r, t, c)
+        cond_in = torch.cat((cond, torch.zeros_like(cond)))  # (r, t, c)
+        spks_in = torch.cat((spks, torch.zeros_like(spks)))  # (r, c)
+        cfg_rate = self.cfg_rate
         x = noise
-        for k, (t, dt) in enumerate(self.steps):
+        for step, (tau, dtau) in enumerate(self.steps):
             # fresh per step, never filled in place: graph runners may skip re-copying an input
-            t_in = torch.full((2 * b,), t, dtype=torch.float32, device=mu.device)
-            x_in = torch.cat((x, x)).to(dtype)  # (2b, t, c)
-            v = run(x_in, mu_in, cond_in, spks_in, t_in, attn_bias, frame_mask).float()
+            tau_in = torch.full((2 * b,), tau, dtype=torch.float32, device=mu.device)
+            x_in = torch.cat((x, x)).to(dtype)  # (r, t, c)
+            v = run(x_in, mu_in, cond_in, spks_in, tau_in, attn_bias, frame_mask).float()
             v_cond, v_uncond = v[:b], v[b:]
-            x = x + dt * ((1.0 + r) * v_cond - r * v_uncond)
-            if between_steps is not None and k + 1 < len(self.steps):
+            x = x + dtau * ((1.0 + cfg_rate) * v_cond - cfg_rate * v_uncond)
+            if between_steps is not None and step + 1 < len(self.steps):
                 between_steps()
         return x
 
@@ -257,7 +261,7 @@ class FlowModel(nn.Module):
 
         noise = noise_buffer(mu.device, self.cfg.max_frames)[:t]  # (t, c)
         noise = noise.expand(batch.num_rows, -1, -1)  # (b, t, c)
-        seq_lens = batch.seq_lens.repeat(2)  # (2b,) CFG rows share their request's masks
+        seq_lens = batch.seq_lens.repeat(2)  # (r,) CFG rows share their request's masks
         bias = attention_bias(
             seq_lens,
             batch.streaming.repeat(2),
@@ -267,7 +271,7 @@ class FlowModel(nn.Module):
             mask_padding=mask_padding,
         )
         pos = torch.arange(t, device=mu.device)
-        frame_mask = (pos[None, :] < seq_lens[:, None]).to(mu.dtype)[..., None]  # (2b, t, 1)
+        frame_mask = (pos[None, :] < seq_lens[:, None]).to(mu.dtype)[..., None]  # (r, t, 1)
         return self.decoder.solve(
             noise, mu, batch.cond, spks, bias, frame_mask, estimator, between_steps
         )
