@@ -75,7 +75,7 @@ def ragged_attention_bias(
     num_rows, num_queries = query_pos.shape
     keys = torch.arange(num_keys, device=device)
     block_end = (query_pos // block_frames + 1) * block_frames  # (r, q)
-    allowed = keys[None, None, :] < block_end[:, :, None]  # (r, q, k)
+    allowed = keys[None, None, :] < block_end[:, :, None]  # (r, q, num_keys)
     allowed = allowed | ~streaming[:, None, None]
     if mask_padding:
         # A row of length 0 would leave its queries no key (NaN); give it key 0, never read.
@@ -219,16 +219,16 @@ class Attention(nn.Module):
 
     def forward(self, h, rope, attn_bias, frame_mask, kv=None) -> torch.Tensor:
         r, t, _ = h.shape
-        q, k, v = self.to_q(h), self.to_k(h), self.to_v(h)  # (r, t, h*e) each
+        q, key, v = self.to_q(h), self.to_k(h), self.to_v(h)  # (r, t, h*e) each
         apply_rotary_(q, *rope)
-        apply_rotary_(k, *rope)
+        apply_rotary_(key, *rope)
         if kv is not None:  # prefix cache: keys/values of the cached prefix, then these
-            k, v = kv(k, v)  # (r, t_keys, h*e) each, at absolute positions 0..t_keys-1
-        t_keys = k.shape[1]
+            key, v = kv(key, v)  # (r, t_keys, h*e) each, at absolute positions 0..t_keys-1
+        t_keys = key.shape[1]
         q = q.view(r, t, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t, e)
-        k = k.view(r, t_keys, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t_keys, e)
+        key = key.view(r, t_keys, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t_keys, e)
         v = v.view(r, t_keys, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t_keys, e)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias)  # (r, h, t, e)
+        o = F.scaled_dot_product_attention(q, key, v, attn_mask=attn_bias)  # (r, h, t, e)
         o = o.transpose(1, 2).reshape(r, t, self.heads * self.dim_head)  # (r, t, h*e)
         o = self.to_out[0](o)
         # Upstream zeroes padded query frames; keeps padded garbage bounded, valid frames unchanged.
