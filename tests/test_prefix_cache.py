@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from test_flow_model import make_voice
 
 from flow_service.engine import FlowEngine
 from flow_service.model import ChunkRequest, FlowModel, PrefixCache, Voice, load_flow
@@ -24,15 +25,6 @@ REL = 1e-5  # cached vs recomputed: max |diff| <= REL x max |mel| (fp32)
 def model() -> FlowModel:
     torch.set_num_threads(1)
     return load_flow(None, preset="small", seed=0)
-
-
-def make_voice(seed: int, num_prompt_tokens: int) -> Voice:
-    g = torch.Generator().manual_seed(seed)
-    return Voice(
-        prompt_token=torch.randint(0, 6561, (num_prompt_tokens,), generator=g),
-        prompt_feat=torch.randn(2 * num_prompt_tokens, 80, generator=g) * 2.0 - 6.0,
-        embedding=torch.randn(192, generator=g),
-    )
 
 
 def stream_calls(voice: Voice, key: str, num_tokens: int, seed: int) -> list[ChunkRequest]:
