@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from flow_service.model import (
-    ChunkRequest,
     FlowModel,
+    FlowRequest,
     GraphedEstimator,
     Voice,
     attention_bias,
@@ -76,7 +76,7 @@ def make_voice(gen: torch.Generator, num_prompt_tokens: int) -> Voice:
     )
 
 
-def ragged_requests(seed: int = 0) -> list[ChunkRequest]:
+def ragged_requests(seed: int = 0) -> list[FlowRequest]:
     """16 requests: 8 voices (prompt 0..150 tokens), prefixes 9..300 tokens, offsets, final and
     non-final rows, streaming and full attention; the last is a copy of request 3."""
     gen = torch.Generator().manual_seed(seed)
@@ -99,14 +99,14 @@ def ragged_requests(seed: int = 0) -> list[ChunkRequest]:
         (7, 3, 0, False, True),
     ]
     reqs = [
-        ChunkRequest(voices[v], torch.randint(0, 6561, (n,), generator=gen), off, fin, st)
+        FlowRequest(voices[v], torch.randint(0, 6561, (n,), generator=gen), off, fin, st)
         for v, n, off, fin, st in specs
     ]
     dup = reqs[3]
     v = dup.voice
     copy_voice = Voice(v.prompt_token.clone(), v.prompt_feat.clone(), v.embedding.clone())
     reqs.append(
-        ChunkRequest(copy_voice, dup.tokens.clone(), dup.token_offset, dup.finalize, dup.streaming)
+        FlowRequest(copy_voice, dup.tokens.clone(), dup.token_offset, dup.finalize, dup.streaming)
     )
     return reqs
 
@@ -123,7 +123,7 @@ def rel_mean(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().mean() / b.abs().mean().clamp(min=1e-12))
 
 
-def invariance(model: FlowModel, reqs: list[ChunkRequest]) -> tuple[dict, list[torch.Tensor]]:
+def invariance(model: FlowModel, reqs: list[FlowRequest]) -> tuple[dict, list[torch.Tensor]]:
     solos = [model.generate([r])[0] for r in reqs]
     batched = model.generate(reqs)
     errs = [rel_max(b, s) for b, s in zip(batched, solos)]
@@ -186,12 +186,12 @@ def section_chunking(m32: FlowModel) -> None:
     gen = torch.Generator().manual_seed(7)
     voice = make_voice(gen, 75)
     tokens = torch.randint(0, 6561, (250,), generator=gen)
-    full = m32.generate([ChunkRequest(voice, tokens, 0, finalize=True, streaming=True)])[0]
+    full = m32.generate([FlowRequest(voice, tokens, 0, finalize=True, streaming=True)])[0]
     chunks, offset = [], 0
     for hop in (25, 50, 100):
-        chunks.append(ChunkRequest(voice, tokens[: offset + hop + 3], offset, False, True))
+        chunks.append(FlowRequest(voice, tokens[: offset + hop + 3], offset, False, True))
         offset += hop
-    chunks.append(ChunkRequest(voice, tokens, offset, finalize=True, streaming=True))
+    chunks.append(FlowRequest(voice, tokens, offset, finalize=True, streaming=True))
     solo = torch.cat([m32.generate([c])[0] for c in chunks], dim=1)
     batched = torch.cat(m32.generate(chunks), dim=1)
     res = {
@@ -281,11 +281,11 @@ def section_step(
     return res
 
 
-def stream_requests(batch: int, seed: int = 1) -> list[ChunkRequest]:
+def stream_requests(batch: int, seed: int = 1) -> list[FlowRequest]:
     """`batch` streaming chunks of T = 350 frames: prompt 75 tokens + 100 emitted + 3 lookahead."""
     gen = torch.Generator().manual_seed(seed)
     return [
-        ChunkRequest(
+        FlowRequest(
             make_voice(gen, 75), torch.randint(0, 6561, (103,), generator=gen), 0, False, True
         )
         for _ in range(batch)

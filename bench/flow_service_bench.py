@@ -46,7 +46,7 @@ def plan_calls(num_prompt_tokens: int, num_tokens: int) -> list:
     planner = ChunkPlanner(num_prompt_tokens)
     calls = []
     for ended in (False, True):
-        while (chunk := planner.next_chunk(num_tokens, ended)) is not None:
+        while (chunk := planner.next_call(num_tokens, ended)) is not None:
             calls.append(chunk)
     return calls
 

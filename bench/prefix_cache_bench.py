@@ -36,14 +36,14 @@ import torch
 
 from bench import flow_service_bench as fsb
 from bench.workload import make_bench_voice, make_tokens
-from flow_service.model import NUM_STEPS, ChunkRequest, PrefixCache, Voice, load_flow
+from flow_service.model import NUM_STEPS, FlowRequest, PrefixCache, Voice, load_flow
 
 TOKEN_RATE = 25  # speech tokens per second of audio
 
 
 def requests_for(voice: Voice, tokens: torch.Tensor, prompt_tokens: int, key: str):
     for c in fsb.plan_calls(prompt_tokens, len(tokens)):
-        yield ChunkRequest(
+        yield FlowRequest(
             voice, tokens[: c.num_tokens], c.token_offset, c.finalize, c.streaming, key
         )
 

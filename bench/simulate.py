@@ -156,7 +156,7 @@ class Simulation:
     # -- gateway ----------------------------------------------------------------------------
     def _tokens_in(self, s: _Stream, num: int, ended: bool) -> None:
         s.num_tokens, s.ended = num, ended
-        while (chunk := s.planner.next_chunk(s.num_tokens, s.ended)) is not None:
+        while (chunk := s.planner.next_call(s.num_tokens, s.ended)) is not None:
             now = self.clock.now
             due = s.playback.due(chunk, now) if s.playback else math.inf
             s.ready[chunk.seq] = now
@@ -181,7 +181,7 @@ class Simulation:
         chunk, due, sent = s.chain.popleft()
         s.chain_busy = self.c.order_streams
         emitted = chunk.num_tokens - (0 if chunk.finalize else LOOKAHEAD_TOKENS)
-        frames = TOKEN_MEL_RATIO * (self.c.prompt_tokens + emitted)  # ChunkRequest.num_seq_frames
+        frames = TOKEN_MEL_RATIO * (self.c.prompt_tokens + emitted)  # FlowRequest.num_seq_frames
         call = PendingCall(
             num_seq_frames=frames,
             num_out_frames=TOKEN_MEL_RATIO * chunk.num_emit_tokens,

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from flow_service.model import ChunkRequest, FlowModel, Voice, init_random_, load_flow, noise_buffer
+from flow_service.model import FlowModel, FlowRequest, Voice, init_random_, load_flow, noise_buffer
 from flow_service.model.config import FLOW_PRESETS, DiTConfig, FlowConfig
 from gateway.schedule import ChunkPlanner
 from vocoder_service.model import HiFTGenerator, hift_noise_buffers, load_hift
@@ -361,8 +361,8 @@ def ours_stream(flow: FlowModel, hifts: dict[str, HiFTGenerator], x: dict):
     states = {name: h.new_session() for name, h in hifts.items()}
     mels, audio, calls = [], {name: [] for name in hifts}, []
     n = x["tokens"].shape[0]
-    while (c := planner.next_chunk(n, ended=True)) is not None:
-        req = ChunkRequest(
+    while (c := planner.next_call(n, ended=True)) is not None:
+        req = FlowRequest(
             voice, x["tokens"][: c.num_tokens], c.token_offset, c.finalize, c.streaming
         )
         mel = flow.generate([req])[0]

@@ -80,9 +80,9 @@ def chunk_needs(num_prompt_tokens: int, num_tokens: int) -> list[int | None]:
     planner = ChunkPlanner(num_prompt_tokens, ScheduleConfig())
     needs: list[int | None] = []
     for n in range(1, num_tokens + 1):
-        while (chunk := planner.next_chunk(n, ended=False)) is not None:
+        while (chunk := planner.next_call(n, ended=False)) is not None:
             needs.append(chunk.num_tokens)
-    while (chunk := planner.next_chunk(num_tokens, ended=True)) is not None:
+    while (chunk := planner.next_call(num_tokens, ended=True)) is not None:
         needs.append(None if chunk.finalize else chunk.num_tokens)
     return needs
 

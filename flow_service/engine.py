@@ -29,7 +29,7 @@ import torch
 
 from flow_service import metrics
 from flow_service.costmodel import CostModel, num_solver_steps
-from flow_service.model import ChunkRequest, FlowModel, PrefixCache
+from flow_service.model import FlowModel, FlowRequest, PrefixCache
 from flow_service.runner import BetweenSteps, FlowRunner, UrgentRequest
 from flow_service.scheduler import BatchPolicy, CallStatus, PendingCall, Plan, Scheduler
 from token2wav.errors import DeadlineExceeded, ServiceError, Unavailable
@@ -121,13 +121,13 @@ class FlowEngine:
         # Off the loop: a runner between two steps may still be waiting for the loop's answer.
         await asyncio.to_thread(self.runner.close)
 
-    async def warmup(self, requests: list[ChunkRequest]) -> None:
+    async def warmup(self, requests: list[FlowRequest]) -> None:
         """Run the model off the loop (kernels, allocator, CUDA graphs) before SERVING."""
         await self.runner.warmup(requests)
 
     # -- calls -------------------------------------------------------------------------------
     async def submit(
-        self, request: ChunkRequest, deadline: float = math.inf, due: float = math.inf
+        self, request: FlowRequest, deadline: float = math.inf, due: float = math.inf
     ) -> FlowResult:
         """`deadline`: the call fails past it; `due`: its playback deadline (soft, orders it;
         ignored with deadline scheduling off, so that the order is exactly the one before).
@@ -162,7 +162,7 @@ class FlowEngine:
                 del self._chains[key]
 
     async def _submit_now(
-        self, request: ChunkRequest, deadline: float, due: float, sent: float
+        self, request: FlowRequest, deadline: float, due: float, sent: float
     ) -> FlowResult:
         if not self.policy.deadline_scheduling:
             due = math.inf

@@ -1,5 +1,5 @@
 """The runner: owns the model on its device (the worker thread, the CUDA stream, the CUDA graphs)
-and runs one batch of `ChunkRequest`s there.
+and runs one batch of `FlowRequest`s there.
 
 It sees rows, never calls, queues or deadlines: the engine (`flow_service/engine.py`) decides what
 runs and when, including whether a batch may give way between two solver steps. The runner only
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from flow_service.model import ChunkRequest, FlowModel, PrefixCache
+from flow_service.model import FlowModel, FlowRequest, PrefixCache
 from flow_service.warmup import warmup_batch
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class FlowRunner:
         """Whether a batch of `num_rows` replays a CUDA graph (else it runs eagerly)."""
         return self.graphs is not None and num_rows <= self.graph_max_batch
 
-    async def warmup(self, requests: list[ChunkRequest]) -> None:
+    async def warmup(self, requests: list[FlowRequest]) -> None:
         """Run the model off the loop (kernels, allocator, CUDA graphs) before SERVING."""
         loop = asyncio.get_running_loop()
         for batch in [requests, *self.graph_warmup_requests()]:
@@ -114,7 +114,7 @@ class FlowRunner:
         if self.graphs is not None:
             logger.info("captured %d CUDA graphs", len(self.graphs))
 
-    def graph_warmup_requests(self, max_frames: int = 800) -> list[list[ChunkRequest]]:
+    def graph_warmup_requests(self, max_frames: int = 800) -> list[list[FlowRequest]]:
         """Batches covering every graph bucket up to `max_frames`, to capture before SERVING."""
         if self.graphs is None:
             return []
@@ -131,7 +131,7 @@ class FlowRunner:
         self.executor.shutdown(wait=True)
 
     # -- the worker thread -------------------------------------------------------------------
-    def generate(self, requests: list[ChunkRequest], between_steps=None) -> list[torch.Tensor]:
+    def generate(self, requests: list[FlowRequest], between_steps=None) -> list[torch.Tensor]:
         cache = self.prefix_cache
         if self.stream is None:
             return self.model.generate(requests, between_steps=between_steps, prefix_cache=cache)
@@ -160,7 +160,7 @@ class FlowRunner:
         return outputs
 
     def execute(
-        self, requests: list[ChunkRequest], between_steps: BetweenSteps | None = None
+        self, requests: list[FlowRequest], between_steps: BetweenSteps | None = None
     ) -> tuple[list[torch.Tensor], float, float]:
         """Worker thread: (outputs, wall s, own s). Wall time includes any urgent batch run
         between this batch's steps (what its callers waited); own time does not."""

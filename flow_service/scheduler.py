@@ -87,7 +87,7 @@ class PendingCall:
     num_out_frames: int
     is_first_chunk: bool  # token_offset == 0
     deadline: float  # monotonic seconds; math.inf when the caller set none
-    payload: Any  # what the runner needs (a ChunkRequest); opaque here
+    payload: Any  # what the runner needs (a FlowRequest); opaque here
     arrival: float = field(default_factory=time.monotonic)
     call_id: int = field(default_factory=itertools.count().__next__)
     status: CallStatus = CallStatus.WAITING

@@ -1,4 +1,4 @@
-"""gRPC transport for Generate: proto <-> ChunkRequest, then await the engine."""
+"""gRPC transport for Generate: proto <-> FlowRequest, then await the engine."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import torch
 
 from flow_service.engine import FlowEngine
-from flow_service.model import ChunkRequest, validate_chunk
+from flow_service.model import FlowRequest, validate_request
 from flow_service.voices import VoiceCache
 from token2wav import MAX_FRAMES, TOKEN_MEL_RATIO
 from token2wav.errors import InvalidArgument, check_request_id
@@ -22,7 +22,7 @@ class FlowServicer(flow_pb2_grpc.FlowServicer):
         self.engine = engine
         self.voices = voices
 
-    def _flow_request(self, request: flow_pb2.GenerateRequest) -> tuple[str, ChunkRequest]:
+    def _flow_request(self, request: flow_pb2.GenerateRequest) -> tuple[str, FlowRequest]:
         which = request.WhichOneof("voice")
         if which == "inline_voice":
             voice_id, voice = self.voices.put(decode_voice(request.inline_voice, "inline_voice"))
@@ -31,7 +31,7 @@ class FlowServicer(flow_pb2_grpc.FlowServicer):
         else:
             raise InvalidArgument("voice", "set inline_voice or voice_id")
         tokens = decode_tokens(request.tokens, "tokens", max_len=MAX_FRAMES // TOKEN_MEL_RATIO)
-        chunk = ChunkRequest(
+        chunk = FlowRequest(
             voice=voice,
             tokens=torch.from_numpy(tokens),
             token_offset=request.token_offset,
@@ -39,7 +39,7 @@ class FlowServicer(flow_pb2_grpc.FlowServicer):
             streaming=request.streaming,
             cache_key=request.request_id,  # the stream: its prefix cache entry (if any)
         )
-        validate_chunk(chunk)
+        validate_request(chunk)
         return voice_id, chunk
 
     async def Generate(self, request, context):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flow_service.model import ChunkRequest, Voice
+from flow_service.model import FlowRequest, Voice
 
 
-def warmup_batch(batch: int, num_frames: int) -> list[ChunkRequest]:
+def warmup_batch(batch: int, num_frames: int) -> list[FlowRequest]:
     """`batch` requests whose DiT sequence is `num_frames` long (>= 4), streaming and final
     rows alternating, from a fixed random voice."""
     rng = np.random.default_rng(0)
@@ -23,10 +23,10 @@ def warmup_batch(batch: int, num_frames: int) -> list[ChunkRequest]:
     for i in range(batch):
         final = i % 2 == 1
         tokens = torch.from_numpy(rng.integers(0, 6561, n_emit + (0 if final else 3)))
-        reqs.append(ChunkRequest(voice, tokens, 0, finalize=final, streaming=not final))
+        reqs.append(FlowRequest(voice, tokens, 0, finalize=final, streaming=not final))
     return reqs
 
 
-def warmup_requests() -> list[ChunkRequest]:
+def warmup_requests() -> list[FlowRequest]:
     """A first chunk and a final chunk of a 3 s prompt: what the service will see first."""
     return warmup_batch(2, 200)

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.schedule import Chunk
+from gateway.schedule import FlowCall
 from token2wav import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKEN_MEL_RATIO
 
 # vocoder_service.model.config.HOLDBACK_FRAMES (a test keeps them equal; the gateway does not
@@ -53,7 +53,7 @@ class DeadlineConfig:
             raise ValueError("--deadline-margin-ms: want >= 0")
 
 
-def audio_position_s(chunk: Chunk) -> float:
+def audio_position_s(chunk: FlowCall) -> float:
     """Seconds of audio the client has received before chunk `chunk`'s audio starts."""
     if chunk.seq == 0:
         return 0.0
@@ -72,7 +72,7 @@ class PlaybackClock:
         self.delivered_s = 0.0
         self.first_latency: float | None = None  # first chunk's tokens in -> its audio sent
 
-    def needed_at(self, chunk: Chunk, ready_at: float, project: bool = False) -> float:
+    def needed_at(self, chunk: FlowCall, ready_at: float, project: bool = False) -> float:
         """When the client needs chunk `chunk` whose tokens were all in at `ready_at`. The
         first call fixes when playback is expected to start, unless `project` (an estimate for
         chunks whose tokens have not come yet)."""
@@ -87,7 +87,7 @@ class PlaybackClock:
         late_tokens = self.first_latency if self.first_latency is not None else target
         return max(needed, ready_at + late_tokens)
 
-    def due(self, chunk: Chunk, ready_at: float, project: bool = False) -> float:
+    def due(self, chunk: FlowCall, ready_at: float, project: bool = False) -> float:
         """The deadline sent downstream: needed_at minus the margin."""
         return self.needed_at(chunk, ready_at, project) - self.config.margin_s
 

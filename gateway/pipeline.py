@@ -29,7 +29,7 @@ from gateway.deadlines import DeadlineConfig, PlaybackClock, slack_ms
 from gateway.downstream import FlowClient, FlowOutput, downstream_error
 from gateway.failover import SessionLost, count_failover, detach, lost_reason
 from gateway.routing import ReplicaSet
-from gateway.schedule import Chunk, ChunkPlanner, ScheduleConfig
+from gateway.schedule import ChunkPlanner, FlowCall, ScheduleConfig
 from token2wav import MAX_FRAMES, SAMPLE_RATE, SAMPLES_PER_TOKEN, TOKEN_MEL_RATIO, VOCAB_SIZE
 from token2wav.errors import Aborted, InvalidArgument
 from token2wav.tensors import VoiceData, check_header, decode
@@ -83,7 +83,7 @@ class StreamPipeline:
         self.planner = ChunkPlanner(n_p, setup.schedule)
         self._changed = asyncio.Event()
         self._slots = asyncio.Semaphore(limits.max_inflight_chunks)
-        self._chunks: dict[int, asyncio.Future[Chunk]] = {}  # seq -> chunk, once planned
+        self._flow_calls: dict[int, asyncio.Future[FlowCall]] = {}  # seq -> chunk, once planned
         self._ready_at: dict[int, float] = {}  # seq -> when its tokens were all in
         self.playback = PlaybackClock(limits.deadlines) if limits.deadlines else None
         self._due: dict[int, float] = {}  # seq -> playback deadline sent to the flow service
@@ -184,7 +184,7 @@ class StreamPipeline:
         while not self.planner.done:
             await self._changed.wait()
             self._changed.clear()
-            while (chunk := self.planner.next_chunk(self.num_tokens, self.ended)) is not None:
+            while (chunk := self.planner.next_call(self.num_tokens, self.ended)) is not None:
                 # The clock starts when the tokens are in, so time spent waiting for a slot
                 # counts as the gateway's (gateway_ms), not as transport.
                 ready_at = time.monotonic()
@@ -196,11 +196,11 @@ class StreamPipeline:
                 self._mels[chunk.seq] = fut
                 tokens = self.tokens[: chunk.num_tokens].copy()
                 self._spawn(self._flow(chunk, tokens, fut), f"flow{chunk.seq}")
-                self._chunk_future(chunk.seq).set_result(chunk)
+                self._flow_call_future(chunk.seq).set_result(chunk)
         if self.planner.seq == 0:
             raise InvalidArgument("tokens", "the stream ended without any token")
 
-    async def _flow(self, chunk: Chunk, tokens: np.ndarray, fut: asyncio.Future) -> None:
+    async def _flow(self, chunk: FlowCall, tokens: np.ndarray, fut: asyncio.Future) -> None:
         out = await self.flow.generate(
             request_id=self.setup.request_id,
             seq=chunk.seq,
@@ -218,10 +218,10 @@ class StreamPipeline:
         fut.set_result(out)
 
     # -- vocoder session ---------------------------------------------------------------------
-    def _chunk_future(self, seq: int) -> asyncio.Future[Chunk]:
-        fut = self._chunks.get(seq)
+    def _flow_call_future(self, seq: int) -> asyncio.Future[FlowCall]:
+        fut = self._flow_calls.get(seq)
         if fut is None:
-            fut = self._chunks[seq] = asyncio.get_running_loop().create_future()
+            fut = self._flow_calls[seq] = asyncio.get_running_loop().create_future()
         return fut
 
     @staticmethod
@@ -237,9 +237,9 @@ class StreamPipeline:
         nobody cancels when the call fails, so every wait also ends on `stop`."""
         seq = 0
         while True:
-            if not await self._ready(self._chunk_future(seq), stop):
+            if not await self._ready(self._flow_call_future(seq), stop):
                 return
-            chunk = self._chunks[seq].result()
+            chunk = self._flow_calls[seq].result()
             if not await self._ready(self._mels[seq], stop):
                 return
             msg = vocoder_pb2.VocoderChunk(
@@ -397,7 +397,7 @@ class StreamPipeline:
         n_p = self.setup.voice.num_prompt_tokens
         clock = self.playback or PlaybackClock(DeadlineConfig())
         items = []
-        for seq, planned in list(self._chunks.items()):
+        for seq, planned in list(self._flow_calls.items()):
             if not planned.done():
                 continue  # a vocoder session waits for it; not planned yet
             chunk = planned.result()
@@ -409,7 +409,7 @@ class StreamPipeline:
                 items.append((due, TOKEN_MEL_RATIO * (n_p + chunk.num_tokens)))
         planner = copy.copy(self.planner)
         total = self.num_tokens if self.ended else max(expected_tokens, self.num_tokens + 1)
-        while (chunk := planner.next_chunk(total, True)) is not None:
+        while (chunk := planner.next_call(total, True)) is not None:
             due = clock.due(chunk, now, project=True)
             items.append((due, TOKEN_MEL_RATIO * (n_p + chunk.num_tokens)))
         return items

@@ -95,7 +95,7 @@ class ScheduleConfig:
 
 
 @dataclass(frozen=True)
-class Chunk:
+class FlowCall:
     seq: int
     num_tokens: int  # prefix length the flow call sees (lookahead included when not final)
     token_offset: int  # tokens already emitted before this chunk
@@ -110,7 +110,7 @@ class Chunk:
 
 
 class ChunkPlanner:
-    """Turns a growing token count into chunk calls. Feed it `next_chunk(n, ended)` repeatedly."""
+    """Turns a growing token count into chunk calls. Feed it `next_call(n, ended)` repeatedly."""
 
     def __init__(self, num_prompt_tokens: int, config: ScheduleConfig = ScheduleConfig()):
         self.config = config
@@ -125,13 +125,13 @@ class ChunkPlanner:
         self.seq = 0
         self.done = False
 
-    def next_chunk(self, num_tokens: int, ended: bool) -> Chunk | None:
+    def next_call(self, num_tokens: int, ended: bool) -> FlowCall | None:
         """The next call the stream can make with `num_tokens` received, or None to wait."""
         if self.done:
             return None
         this_hop = self.first_hop if self.seq == 0 else self.hop
         if num_tokens >= self.offset + this_hop + LOOKAHEAD_TOKENS:
-            chunk = Chunk(
+            chunk = FlowCall(
                 self.seq,
                 self.offset + this_hop + LOOKAHEAD_TOKENS,
                 self.offset,
@@ -146,7 +146,7 @@ class ChunkPlanner:
             self.done = True
             if num_tokens == 0:
                 return None
-            chunk = Chunk(self.seq, num_tokens, self.offset, finalize=True, streaming=False)
+            chunk = FlowCall(self.seq, num_tokens, self.offset, finalize=True, streaming=False)
             self.seq += 1
             return chunk
         return None

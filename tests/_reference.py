@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flow_service.model import ChunkRequest, FlowModel, Voice
+from flow_service.model import FlowModel, FlowRequest, Voice
 from gateway.schedule import ChunkPlanner, ScheduleConfig
 from token2wav.tensors import VoiceData
 
@@ -36,8 +36,8 @@ def reference_synthesis(
     mel_history = torch.zeros(80, 0)
     emitted = 0
     chunks: list[np.ndarray] = []
-    while (chunk := planner.next_chunk(len(ids), ended=True)) is not None:
-        req = ChunkRequest(
+    while (chunk := planner.next_call(len(ids), ended=True)) is not None:
+        req = FlowRequest(
             v, ids[: chunk.num_tokens], chunk.token_offset, chunk.finalize, chunk.streaming
         )
         mel = flow.generate([req])[0].float().cpu()

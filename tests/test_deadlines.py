@@ -46,7 +46,7 @@ from gateway.deadlines import (
     audio_position_s,
     slack_ms,
 )
-from gateway.schedule import Chunk as GatewayChunk
+from gateway.schedule import FlowCall
 from token2wav.errors import ResourceExhausted
 from token2wav.tensors import encode, make_voice
 from token2wav.v1 import flow_pb2, flow_pb2_grpc
@@ -212,8 +212,8 @@ def test_vocoder_holdback_constant_matches_the_vocoder():
 def test_playback_deadlines_follow_the_player():
     now = [10.0]
     pc = PlaybackClock(DeadlineConfig(0.15, 0.05), clock=lambda: now[0])
-    c0 = GatewayChunk(0, 28, 0, False, True)
-    c1 = GatewayChunk(1, 78, 25, False, True)  # audio before it: (50 - 8) frames = 0.84 s
+    c0 = FlowCall(0, 28, 0, False, True)
+    c1 = FlowCall(1, 78, 25, False, True)  # audio before it: (50 - 8) frames = 0.84 s
     assert audio_position_s(c1) == pytest.approx(0.84)
     assert pc.due(c0, ready_at=10.0) == pytest.approx(10.10)
     # before playback starts: counted from the first chunk's tokens (the earliest start)
@@ -226,7 +226,7 @@ def test_playback_deadlines_follow_the_player():
     assert pc.due(c1, ready_at=12.0) == pytest.approx(12.0 + 0.2 - 0.05)
     now[0] = 13.0  # the player ran dry at 11.04; the next audio restarts it
     pc.sent(1.0)
-    c2 = GatewayChunk(2, 178, 75, False, True)  # position (150 - 8) / 50 = 2.84 s
+    c2 = FlowCall(2, 178, 75, False, True)  # position (150 - 8) / 50 = 2.84 s
     assert pc.due(c2, ready_at=12.0) == pytest.approx(14.0 + (2.84 - 1.84) - 0.05)
     assert slack_ms(10.5, 10.25) == 250 and slack_ms(10.0, 10.25) == -250
 
@@ -458,7 +458,7 @@ class HoldFirstStep(torch.nn.Module):
 
 async def test_engine_preempts_for_work_whose_slack_is_below_a_step(flow_model):
     from flow_service.engine import FlowEngine
-    from flow_service.model import ChunkRequest
+    from flow_service.model import FlowRequest
     from flow_service.warmup import warmup_batch
 
     model = HoldFirstStep(flow_model)
@@ -466,8 +466,8 @@ async def test_engine_preempts_for_work_whose_slack_is_below_a_step(flow_model):
     engine.start()
     try:
         base = warmup_batch(1, 200)[0]
-        later = ChunkRequest(base.voice, base.tokens, 10, finalize=False, streaming=True)
-        relaxed = ChunkRequest(base.voice, base.tokens, 20, finalize=False, streaming=True)
+        later = FlowRequest(base.voice, base.tokens, 10, finalize=False, streaming=True)
+        relaxed = FlowRequest(base.voice, base.tokens, 20, finalize=False, streaming=True)
         now = time.monotonic
         running = asyncio.ensure_future(engine.submit(later, due=now() + 60))
         await asyncio.to_thread(model.held.wait, 60)  # inside the first batch, after a step

@@ -12,14 +12,14 @@ from flow_service.model import (
     MAX_FRAMES,
     BatchIntegrityError,
     CheckpointError,
-    ChunkRequest,
     FlowModel,
+    FlowRequest,
     InvalidInput,
     Voice,
     group_by_length,
     load_flow,
     noise_buffer,
-    validate_chunk,
+    validate_request,
 )
 
 TOL = 1e-4  # invariant 1: max abs error <= TOL x max|mel| (fp32)
@@ -44,13 +44,13 @@ def make_tokens(seed: int, n: int) -> torch.Tensor:
     return torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(1000 + seed))
 
 
-def clone_request(req: ChunkRequest) -> ChunkRequest:
+def clone_request(req: FlowRequest) -> FlowRequest:
     v = req.voice
     voice = Voice(v.prompt_token.clone(), v.prompt_feat.clone(), v.embedding.clone())
-    return ChunkRequest(voice, req.tokens.clone(), req.token_offset, req.finalize, req.streaming)
+    return FlowRequest(voice, req.tokens.clone(), req.token_offset, req.finalize, req.streaming)
 
 
-def ragged_requests() -> list[ChunkRequest]:
+def ragged_requests() -> list[FlowRequest]:
     """Different voices (prompt 0..40 tokens), prefixes, offsets, final/non-final and streaming
     rows; a short final row next to long rows (the lookahead pad must not read padding); an
     identical copy of one request (last)."""
@@ -67,7 +67,7 @@ def ragged_requests() -> list[ChunkRequest]:
         (1, 200, 0, True, False),
     ]
     reqs = [
-        ChunkRequest(voices[v], make_tokens(i, n), off, fin, st)
+        FlowRequest(voices[v], make_tokens(i, n), off, fin, st)
         for i, (v, n, off, fin, st) in enumerate(specs)
     ]
     return reqs + [clone_request(reqs[1])]
@@ -116,12 +116,12 @@ def test_chunked_equals_one_shot(model):
     each chunk's new frames equal the same frames of one block-causal pass (invariant 3)."""
     voice = make_voice(7, 25)
     tokens = make_tokens(7, 200)
-    full = model.generate([ChunkRequest(voice, tokens, 0, finalize=True, streaming=True)])[0]
+    full = model.generate([FlowRequest(voice, tokens, 0, finalize=True, streaming=True)])[0]
     chunks, offset = [], 0
     for hop in (25, 50, 100):
-        chunks.append(ChunkRequest(voice, tokens[: offset + hop + 3], offset, False, True))
+        chunks.append(FlowRequest(voice, tokens[: offset + hop + 3], offset, False, True))
         offset += hop
-    chunks.append(ChunkRequest(voice, tokens, offset, finalize=True, streaming=True))
+    chunks.append(FlowRequest(voice, tokens, offset, finalize=True, streaming=True))
     assert all((2 * (25 + c.token_offset)) % 50 == 0 for c in chunks)  # block-aligned starts
 
     scale = full.abs().max()
@@ -130,7 +130,7 @@ def test_chunked_equals_one_shot(model):
         assert stitched.shape == full.shape
         assert (stitched - full).abs().max() <= TOL * scale
     # the mask matters: full-attention chunks do not reproduce the block-causal pass
-    full_attn = model.generate([ChunkRequest(voice, tokens[:28], 0, False, False)])[0]
+    full_attn = model.generate([FlowRequest(voice, tokens[:28], 0, False, False)])[0]
     assert (full_attn - full[:, :50]).abs().max() > 10 * TOL * scale
 
 
@@ -169,7 +169,7 @@ def test_random_init_is_seeded_and_nontrivial(model):
     key = "decoder.estimator.proj_out.weight"
     assert not torch.equal(model.state_dict()[key], other.state_dict()[key])
     req = ragged_requests()[0]
-    other_voice = ChunkRequest(make_voice(9, 25), req.tokens, 0, False, True)
+    other_voice = FlowRequest(make_voice(9, 25), req.tokens, 0, False, True)
     a, b = model.generate([req, other_voice])
     assert (a - b).abs().max() > 0.1  # the voice conditions the output
 
@@ -351,7 +351,7 @@ def _bad(field: str, **changes):
             setattr(voice, name, changes.pop(f"voice_{name}"))
     fields = dict(tokens=make_tokens(5, 20), token_offset=0, finalize=False, streaming=True)
     fields.update(changes)
-    return pytest.param(ChunkRequest(voice, **fields), field, id=field)
+    return pytest.param(FlowRequest(voice, **fields), field, id=field)
 
 
 def _with(t: torch.Tensor, index, value) -> torch.Tensor:
@@ -387,7 +387,7 @@ def _with(t: torch.Tensor, index, value) -> torch.Tensor:
 )
 def test_invalid_input_names_the_field(req, field):
     with pytest.raises(InvalidInput) as info:
-        validate_chunk(req)
+        validate_request(req)
     assert info.value.field == field
     assert str(info.value).startswith(field + ":")
     assert isinstance(info.value, ValueError)
@@ -395,7 +395,7 @@ def test_invalid_input_names_the_field(req, field):
 
 def test_generate_rejects_with_slot(model):
     good = ragged_requests()[0]
-    bad = ChunkRequest(good.voice, _with(good.tokens, 5, 7000), 0, False, True)
+    bad = FlowRequest(good.voice, _with(good.tokens, 5, 7000), 0, False, True)
     with pytest.raises(InvalidInput) as info:
         model.generate([good, bad])
     assert info.value.slot == 1 and info.value.field == "tokens[5]"
@@ -404,9 +404,9 @@ def test_generate_rejects_with_slot(model):
 
 def test_frame_bookkeeping(model):
     voice = make_voice(6, 0)  # no prompt is allowed
-    final = ChunkRequest(voice, make_tokens(6, 10), 4, finalize=True, streaming=False)
+    final = FlowRequest(voice, make_tokens(6, 10), 4, finalize=True, streaming=False)
     assert (final.num_seq_frames, final.num_out_frames, final.out_start_frame) == (20, 12, 8)
-    nonfinal = ChunkRequest(make_voice(6, 5), make_tokens(6, 10), 7, finalize=False)
+    nonfinal = FlowRequest(make_voice(6, 5), make_tokens(6, 10), 7, finalize=False)
     assert (nonfinal.num_seq_frames, nonfinal.num_out_frames) == (24, 0)
     outs = model.generate([final, nonfinal])
     assert [tuple(o.shape) for o in outs] == [(80, 12), (80, 0)]

@@ -16,7 +16,7 @@ import torch
 from _stack import start_flow, until
 
 from flow_service.engine import FlowEngine
-from flow_service.model import ChunkRequest, Voice, load_flow
+from flow_service.model import FlowRequest, Voice, load_flow
 from flow_service.scheduler import BatchPolicy
 from token2wav.tensors import decode, encode, make_voice
 from token2wav.v1 import flow_pb2, flow_pb2_grpc
@@ -114,13 +114,13 @@ def request_for(voice, tokens, offset, finalize, streaming, **kw):
     )
 
 
-def chunk_request(voice, tokens, offset, finalize, streaming) -> ChunkRequest:
+def chunk_request(voice, tokens, offset, finalize, streaming) -> FlowRequest:
     v = Voice(
         torch.from_numpy(voice.prompt_token),
         torch.from_numpy(voice.prompt_feat),
         torch.from_numpy(voice.embedding),
     )
-    return ChunkRequest(
+    return FlowRequest(
         v, torch.from_numpy(np.asarray(tokens, np.int64)), offset, finalize, streaming
     )
 

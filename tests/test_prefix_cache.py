@@ -14,7 +14,7 @@ import torch
 from test_flow_model import make_voice
 
 from flow_service.engine import FlowEngine
-from flow_service.model import ChunkRequest, FlowModel, PrefixCache, Voice, load_flow
+from flow_service.model import FlowModel, FlowRequest, PrefixCache, Voice, load_flow
 from flow_service.scheduler import BatchPolicy
 from gateway.schedule import ChunkPlanner
 
@@ -27,16 +27,16 @@ def model() -> FlowModel:
     return load_flow(None, preset="small", seed=0)
 
 
-def stream_calls(voice: Voice, key: str, num_tokens: int, seed: int) -> list[ChunkRequest]:
+def stream_calls(voice: Voice, key: str, num_tokens: int, seed: int) -> list[FlowRequest]:
     """The gateway's calls for one utterance (prompt pad, hops 25.., last call full attention),
     plus a final call with block-causal attention (the proto allows it; it may read the cache)."""
     tokens = torch.randint(0, 6561, (num_tokens,), generator=torch.Generator().manual_seed(seed))
     planner = ChunkPlanner(voice.num_prompt_tokens)
     calls = []
     for ended in (False, True):
-        while (c := planner.next_chunk(num_tokens, ended)) is not None:
+        while (c := planner.next_call(num_tokens, ended)) is not None:
             calls.append(
-                ChunkRequest(
+                FlowRequest(
                     voice, tokens[: c.num_tokens], c.token_offset, c.finalize, c.streaming, key
                 )
             )
@@ -58,7 +58,7 @@ def assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
         assert rel <= REL, f"output {i}: cached vs recomputed {rel:.2e} > {REL:.0e}"
 
 
-def reference(model: FlowModel, calls: list[ChunkRequest]) -> list[torch.Tensor]:
+def reference(model: FlowModel, calls: list[FlowRequest]) -> list[torch.Tensor]:
     return [model.generate([c])[0] for c in calls]
 
 

@@ -10,7 +10,7 @@ from token2wav.v1 import gateway_pb2
 
 def drain(planner, n, ended):
     out = []
-    while (c := planner.next_chunk(n, ended)) is not None:
+    while (c := planner.next_call(n, ended)) is not None:
         out.append(c)
     return out
 
@@ -33,7 +33,7 @@ def test_upstream_schedule_for_a_3s_prompt():
     ]
     assert [c.seq for c in chunks + final] == [0, 1, 2, 3, 4]
     assert sum(c.num_emit_tokens for c in chunks + final) == 300
-    assert p.next_chunk(400, True) is None  # done
+    assert p.next_call(400, True) is None  # done
 
 
 @pytest.mark.parametrize("n_p", [1, 24, 26, 49, 80, 200])

@@ -34,10 +34,10 @@ from flow_service.model.loading import (
 )
 from flow_service.model.prefix_cache import PrefixCache
 from flow_service.model.requests import (
-    ChunkRequest,
+    FlowRequest,
     InvalidInput,
     Voice,
-    validate_chunk,
+    validate_request,
     validate_voice,
 )
 
@@ -54,7 +54,7 @@ __all__ = [
     "VOCAB_SIZE",
     "BatchIntegrityError",
     "CheckpointError",
-    "ChunkRequest",
+    "FlowRequest",
     "DiT",
     "DiTConfig",
     "FlowBatch",
@@ -72,6 +72,6 @@ __all__ = [
     "load_flow",
     "noise_buffer",
     "read_state_dict",
-    "validate_chunk",
+    "validate_request",
     "validate_voice",
 ]

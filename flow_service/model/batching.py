@@ -1,6 +1,6 @@
 """Length bucketing: split pending chunk requests into solver batches with bounded padding.
 
-Pure function of the requests' DiT lengths (`ChunkRequest.num_seq_frames`), so a scheduler can
+Pure function of the requests' DiT lengths (`FlowRequest.num_seq_frames`), so a scheduler can
 plan without touching tensors. Cost of a batch is ~ rows x padded length (attention adds
 ~ rows x length^2), so the rule bounds the padded share of each batch and its total frames.
 """

@@ -1,6 +1,6 @@
 """The Stage-1 flow model (docs/REFERENCE.md §2, §3): tokens + voice -> mel, batched over ragged streams.
 
-`FlowModel.generate(chunks)` runs chunk requests of different streams as ONE Euler/CFG solve of
+`FlowModel.generate(requests)` runs flow requests of different streams as ONE Euler/CFG solve of
 2b solver rows. Per row: its own token count, lookahead handling (final rows right-pad 3 zero
 embeddings, non-final rows read their 3 real context tokens), sequence length, attention
 (block-causal or full), and position-locked noise. Padding never reaches a valid frame: padded
@@ -31,7 +31,7 @@ from torch import nn
 from flow_service.model.config import MEL_BINS, NOISE_SEED, FlowConfig
 from flow_service.model.dit import DiT, attention_bias
 from flow_service.model.prefix_cache import PrefixCache, solve_with_prefix
-from flow_service.model.requests import ChunkRequest, validate_chunk
+from flow_service.model.requests import FlowRequest, validate_request
 from token2wav.invalid import InvalidInput
 
 # (x, mu, cond, spks, tau, attn_bias, frame_mask) -> velocity; the DiT itself or a graphed replay
@@ -188,17 +188,17 @@ class FlowModel(nn.Module):
     def device(self) -> torch.device:
         return self.spk_embed_affine_layer.weight.device
 
-    def validate(self, chunks: Sequence[ChunkRequest]) -> None:
+    def validate(self, chunks: Sequence[FlowRequest]) -> None:
         """Validate every request; the error carries the slot of the first bad one."""
         for slot, req in enumerate(chunks):
             try:
-                validate_chunk(req, self.cfg.vocab_size)
+                validate_request(req, self.cfg.vocab_size)
             except InvalidInput as exc:
                 raise InvalidInput(
                     exc.field, exc.problem, slot, f"chunks[{slot}].{exc.field}"
                 ) from None
 
-    def prepare(self, chunks: Sequence[ChunkRequest], frame_multiple: int = 1) -> FlowBatch:
+    def prepare(self, chunks: Sequence[FlowRequest], frame_multiple: int = 1) -> FlowBatch:
         """Validate and lay out a batch (right padding). `frame_multiple` rounds the padded
         length up, e.g. to reuse CUDA graphs captured for bucketed lengths."""
         self.validate(chunks)
@@ -297,7 +297,7 @@ class FlowModel(nn.Module):
     @torch.inference_mode()
     def generate(
         self,
-        chunks: Sequence[ChunkRequest],
+        requests: Sequence[FlowRequest],
         *,
         estimator: Estimator | None = None,
         frame_multiple: int = 1,
@@ -315,14 +315,14 @@ class FlowModel(nn.Module):
         the keys/values of their stream's complete earlier blocks from it and compute only
         their new frames (the same mel within rounding); the DiT then runs eagerly (no
         `estimator`). Call from one thread at a time."""
-        if not chunks:
+        if not requests:
             return []
-        batch = self.prepare(chunks, frame_multiple)
-        plan = prefix_cache.plan(chunks) if prefix_cache is not None else None
+        batch = self.prepare(requests, frame_multiple)
+        plan = prefix_cache.plan(requests) if prefix_cache is not None else None
         if plan is None or not plan.active:
             mel = self.solve_batch(batch, estimator, mask_padding, between_steps)
             if plan is not None:
-                prefix_cache.commit(plan, [None] * len(chunks))  # drops finished streams
+                prefix_cache.commit(plan, [None] * len(requests))  # drops finished streams
             return self.scatter(batch, mel, to_cpu)
         try:
             mel, new_x = solve_with_prefix(self, batch, plan, mask_padding, between_steps)

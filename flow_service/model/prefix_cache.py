@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flow_service.model.dit import ragged_attention_bias
-from flow_service.model.requests import ChunkRequest
+from flow_service.model.requests import FlowRequest
 
 # Pool tensors of about this size, each (steps, layers, {K,V}, blocks, {cond,uncond}, block, d),
 # allocated when first needed (uninitialised: a block is fully written before it is read). Each
@@ -49,7 +49,7 @@ from flow_service.model.requests import ChunkRequest
 SLAB_BYTES = 8 << 30
 
 
-def voice_fingerprint(req: ChunkRequest) -> bytes:
+def voice_fingerprint(req: FlowRequest) -> bytes:
     """Content hash of everything the voice contributes (prompt ids, prompt mel, x-vector)."""
     v = req.voice
     h = hashlib.blake2b(digest_size=16)
@@ -60,7 +60,7 @@ def voice_fingerprint(req: ChunkRequest) -> bytes:
     return h.digest()
 
 
-def all_token_ids(req: ChunkRequest) -> torch.Tensor:
+def all_token_ids(req: FlowRequest) -> torch.Tensor:
     return torch.cat((req.voice.prompt_token.to(torch.int64), req.tokens.to(torch.int64)))
 
 
@@ -228,7 +228,7 @@ class PrefixCache:
         return got
 
     # -- planning ------------------------------------------------------------------------------
-    def _stream_key(self, req: ChunkRequest, fp: bytes) -> tuple | None:
+    def _stream_key(self, req: FlowRequest, fp: bytes) -> tuple | None:
         key = getattr(req, "cache_key", None)
         return ("stream", key, fp, self.schedule_id) if key else None
 
@@ -247,7 +247,7 @@ class PrefixCache:
             n -= 1  # a shorter prefix may still agree (e.g. a voice's prompt blocks)
         return 0
 
-    def plan(self, requests: Sequence[ChunkRequest]) -> PrefixPlan:
+    def plan(self, requests: Sequence[FlowRequest]) -> PrefixPlan:
         """Look up and pin each row's cached prefix, allocate blocks for what it will store."""
         rows = []
         with self._lock:

@@ -52,7 +52,7 @@ class Voice:
 
 
 @dataclass
-class ChunkRequest:
+class FlowRequest:
     """One flow call of one stream (docs/REFERENCE.md §6.2/§6.3)."""
 
     voice: Voice
@@ -155,10 +155,10 @@ def validate_voice(voice: Voice, prefix: str = "", vocab_size: int = VOCAB_SIZE)
     _check_float(f"{prefix}embedding", voice.embedding, (SPK_EMBED_DIM,))
 
 
-def validate_chunk(req: ChunkRequest, vocab_size: int = VOCAB_SIZE) -> None:
+def validate_request(req: FlowRequest, vocab_size: int = VOCAB_SIZE) -> None:
     """Raise InvalidInput naming the bad field of one chunk request (voice fields included)."""
-    if not isinstance(req, ChunkRequest):
-        raise InvalidInput("chunk", f"expected a ChunkRequest, got {_describe(req)}")
+    if not isinstance(req, FlowRequest):
+        raise InvalidInput("chunk", f"expected a FlowRequest, got {_describe(req)}")
     validate_voice(req.voice, "voice.", vocab_size)
     _check_ids("tokens", req.tokens, vocab_size)
     for name in ("finalize", "streaming"):
