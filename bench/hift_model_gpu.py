@@ -37,17 +37,17 @@ import time
 
 import torch
 
+from token2wav import SAMPLES_PER_FRAME
 from vocoder_service.model import (
     HIFT_PRESETS,
     HOLDBACK_FRAMES,
-    HOP_SAMPLES,
     MEL_BINS,
     SAMPLE_RATE,
     HiFTSessionState,
     load_hift,
 )
 
-FRAMES_PER_S = SAMPLE_RATE // HOP_SAMPLES  # 50
+FRAMES_PER_S = SAMPLE_RATE // SAMPLES_PER_FRAME  # 50
 CHUNK = 100  # frames per timed chunk (2 s of audio)
 SMOKE = "--smoke" in sys.argv[1:]
 PRESET = "small" if SMOKE else "cosyvoice3-0.5b"
@@ -109,7 +109,7 @@ def stream(model, mel, sizes, finalize_last: bool) -> torch.Tensor:
     st, outs, pos = model.new_session(), [], 0
     for i, n in enumerate(sizes):
         outs.append(
-            model.step_one(st, mel[:, pos : pos + n], finalize_last and i == len(sizes) - 1)
+            model.decode_one(st, mel[:, pos : pos + n], finalize_last and i == len(sizes) - 1)
         )
         pos += n
     return torch.cat(outs)
@@ -157,14 +157,14 @@ def exactness(model, res: dict) -> None:
         for m, h in zip(mels, hist):
             st = model.new_session()
             if h:
-                model.step_one(st, m[:, :h], False)
+                model.decode_one(st, m[:, :h], False)
             out.append(st)
         return out
 
     a, b = sessions(), sessions()
     new = [m[:, h : h + n] for m, h, n in zip(mels, hist, chunk)]
-    batched = model.step(b, new, fins)
-    solo = [model.step_one(st, x, f) for st, x, f in zip(a, new, fins)]
+    batched = model.decode_batch(b, new, fins)
+    solo = [model.decode_one(st, x, f) for st, x, f in zip(a, new, fins)]
     res["batched_vs_solo_max_abs"] = max(max_err(x, y) for x, y in zip(batched, solo) if x.numel())
 
 
@@ -174,11 +174,11 @@ def latency(model, res: dict) -> None:
         mel = make_mel(h + CHUNK, seed=20 + hist_s)
         st = model.new_session()
         for pos in range(0, h, 200):
-            model.step_one(st, mel[:, pos : min(pos + 200, h)], False)
+            model.decode_one(st, mel[:, pos : min(pos + 200, h)], False)
         blob = st.to_bytes()
         chunk = mel[:, h:]
         res[f"session_ms_per_100f_hist{hist_s}s"] = timed(
-            lambda s, chunk=chunk: model.step_one(s, chunk, False),
+            lambda s, chunk=chunk: model.decode_one(s, chunk, False),
             setup=lambda blob=blob: HiFTSessionState.from_bytes(blob),
         )
         res[f"redecode_ms_per_100f_hist{hist_s}s"] = timed(
@@ -191,13 +191,13 @@ def throughput(model, res: dict, tag: str = "") -> None:
     for n in BATCH_SIZES:
         mels = [make_mel(500 + steps * CHUNK + 10, seed=100 + i) for i in range(n)]
         states = [model.new_session() for _ in range(n)]
-        model.step(states, [m[:, :500] for m in mels], [False] * n)  # 10 s of history each
+        model.decode_batch(states, [m[:, :500] for m in mels], [False] * n)  # 10 s of history each
         blobs = [st.to_bytes() for st in states]
 
         def run(sts, mels=mels, n=n):
             for k in range(steps):
                 lo = 500 + k * CHUNK
-                model.step(sts, [m[:, lo : lo + CHUNK] for m in mels], [False] * n)
+                model.decode_batch(sts, [m[:, lo : lo + CHUNK] for m in mels], [False] * n)
 
         ms = timed(
             run,

@@ -5,7 +5,6 @@ from token2wav.invalid import InvalidInput
 from vocoder_service.model.config import (
     HIFT_PRESETS,
     HOLDBACK_FRAMES,
-    HOP_SAMPLES,
     MAX_FRAMES,
     MAX_SAMPLES,
     MEL_BINS,
@@ -23,7 +22,6 @@ from vocoder_service.model.session import STATE_VERSION, HiFTSessionState
 __all__ = [
     "HIFT_PRESETS",
     "HOLDBACK_FRAMES",
-    "HOP_SAMPLES",
     "MAX_FRAMES",
     "MAX_SAMPLES",
     "MEL_BINS",
