@@ -93,10 +93,11 @@ def timed(fn, repeats: int = REPEATS, warmup: int = WARMUP, setup=None) -> float
 
 def make_mel(frames: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(MEL_BINS, frames, generator=g) - 5
+    return torch.randn(MEL_BINS, frames, generator=g) - 5  # log-mel-like level
 
 
 def upstream_schedule(total: int) -> list[int]:
+    """Upstream's mel chunks for a 0-pad prompt: 50, 100, 200, 200, ... (hop 25 -> 50 -> 100)."""
     sizes, n, hop = [], 0, 50
     while n < total:
         sizes.append(min(hop, total - n))
@@ -113,6 +114,27 @@ def stream(model, mel, sizes, finalize_last: bool) -> torch.Tensor:
         )
         pos += n
     return torch.cat(outs)
+
+
+def batched_and_solo(model, mels, history, chunk, finalize):
+    """The same chunks (`chunk[i]` frames of `mels[i]` after its first `history[i]`) through one
+    batched call and through one call per session, from sessions that have already taken their
+    history: (batched audio, solo audio, batched states, solo states)."""
+
+    def sessions():
+        out = []
+        for mel, h in zip(mels, history):
+            st = model.new_session()
+            if h:
+                model.decode_one(st, mel[:, :h], False)
+            out.append(st)
+        return out
+
+    batch_states, solo_states = sessions(), sessions()
+    new = [mel[:, h : h + n] for mel, h, n in zip(mels, history, chunk)]
+    batched = model.decode_batch(batch_states, new, finalize)
+    solo = [model.decode_one(st, x, f) for st, x, f in zip(solo_states, new, finalize)]
+    return batched, solo, batch_states, solo_states
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -151,20 +173,7 @@ def exactness(model, res: dict) -> None:
     hist = [0, 3, 40, 90, 200, 333, 500, 640]
     chunk = [50, 1, 100, 7, 200, 64, 150, 100]
     fins = [False, True, False, False, True, False, True, False]
-
-    def sessions():
-        out = []
-        for m, h in zip(mels, hist):
-            st = model.new_session()
-            if h:
-                model.decode_one(st, m[:, :h], False)
-            out.append(st)
-        return out
-
-    a, b = sessions(), sessions()
-    new = [m[:, h : h + n] for m, h, n in zip(mels, hist, chunk)]
-    batched = model.decode_batch(b, new, fins)
-    solo = [model.decode_one(st, x, f) for st, x, f in zip(a, new, fins)]
+    batched, solo, _, _ = batched_and_solo(model, mels, hist, chunk, fins)
     res["batched_vs_solo_max_abs"] = max(max_err(x, y) for x, y in zip(batched, solo) if x.numel())
 
 

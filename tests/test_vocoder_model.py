@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 
+from bench.hift_model_gpu import batched_and_solo, make_mel, upstream_schedule
 from token2wav import SAMPLES_PER_FRAME
 from vocoder_service.model import (
     HIFT_PRESETS,
@@ -53,21 +54,6 @@ def small() -> HiFTGenerator:
 @pytest.fixture(scope="module")
 def small64() -> HiFTGenerator:
     return load_hift(None, preset="small", dtype=torch.float64)
-
-
-def make_mel(frames: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(MEL_BINS, frames, generator=g) - 5  # log-mel-like level
-
-
-def upstream_schedule(total: int) -> list[int]:
-    """Upstream's mel chunks for a 0-pad prompt: 50, 100, 200, 200, ... (hop 25 -> 50 -> 100)."""
-    sizes, n, hop = [], 0, 50
-    while n < total:
-        sizes.append(min(hop, total - n))
-        n += sizes[-1]
-        hop = min(2 * hop, 200)
-    return sizes
 
 
 def random_schedule(total: int, seed: int, lo: int, hi: int) -> list[int]:
@@ -307,21 +293,11 @@ def test_batched_step_equals_solo(small):
     history = [0, 3, 20, 60, 150, 240]
     chunk = [50, 7, 100, 1, 13, 80]
     finalize = [False, True, False, False, True, True]
-
-    def sessions():
-        out = []
-        for mel, h in zip(mels, history):
-            st = small.new_session()
-            if h:
-                small.decode_one(st, mel[:, :h], False)
-            out.append(st)
-        return out
-
-    solo_states, batch_states = sessions(), sessions()
-    new = [mel[:, h : h + n] for mel, h, n in zip(mels, history, chunk)]
-    batched = small.decode_batch(batch_states, new, finalize)
+    batched, solo, batch_states, solo_states = batched_and_solo(
+        small, mels, history, chunk, finalize
+    )
     for i in range(6):
-        alone = small.decode_one(solo_states[i], new[i], finalize[i])
+        alone = solo[i]
         assert alone.shape == batched[i].shape
         if alone.numel():
             assert (alone - batched[i]).abs().max().item() <= TOL_BATCH

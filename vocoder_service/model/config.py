@@ -1,9 +1,9 @@
 """Stage-2 vocoder configuration: constants, `HiFTConfig`, presets, receptive field (docs/REFERENCE.md §1.2, §5).
 
-The shared audio constants come from `token2wav` (stated once there; `SAMPLES_PER_FRAME` is
-imported from there) and `MAX_FRAMES`, `MEL_BINS`, `SAMPLE_RATE` are re-exported for the vocoder
-code. `context_frames()` derives the incremental session's window
-from the layer geometry, so a config with other kernels gets a window that still covers them.
+The shared audio constants (`SAMPLE_RATE`, `SAMPLES_PER_FRAME`, `MEL_BINS`, `MAX_FRAMES`) are
+stated once, in `token2wav`, and imported from there. `context_frames()` derives the incremental
+session's window from the layer geometry, so a config with other kernels gets a window that
+still covers them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from token2wav import MAX_FRAMES, MEL_BINS, SAMPLE_RATE, SAMPLES_PER_FRAME
+from token2wav import MAX_FRAMES, MEL_BINS, SAMPLES_PER_FRAME
 
 MAX_SAMPLES = MAX_FRAMES * SAMPLES_PER_FRAME  # 300 s: the length of the fixed noise buffers
 F0_LOOK_RIGHT = 3  # f0 conv0 has kernel 4 and reads 3 frames to the right (docs/REFERENCE.md §5.3)
@@ -20,20 +20,6 @@ CONV_PRE_LOOK_RIGHT = 4  # conv_pre: kernel 5, reads 4 frames to the right (docs
 # one frame of iSTFT overlap-add / source-STFT look-right (docs/REFERENCE.md §5.5-5.6).
 HOLDBACK_FRAMES = F0_LOOK_RIGHT + CONV_PRE_LOOK_RIGHT + 1
 NOISE_SEED = 0  # seed of the fixed source-noise buffers (see noise.py)
-
-__all__ = [
-    "CONV_PRE_LOOK_RIGHT",
-    "F0_LOOK_RIGHT",
-    "HIFT_PRESETS",
-    "HOLDBACK_FRAMES",
-    "MAX_FRAMES",
-    "MAX_SAMPLES",
-    "MEL_BINS",
-    "NOISE_SEED",
-    "SAMPLE_RATE",
-    "HiFTConfig",
-    "receptive_field_frames",
-]
 
 
 @dataclass(frozen=True)

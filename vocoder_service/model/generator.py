@@ -33,14 +33,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
-from token2wav import SAMPLES_PER_FRAME
+from token2wav import MAX_FRAMES, SAMPLES_PER_FRAME
 from token2wav.invalid import InvalidInput
-from vocoder_service.model.config import (
-    F0_LOOK_RIGHT,
-    HOLDBACK_FRAMES,
-    MAX_FRAMES,
-    HiFTConfig,
-)
+from vocoder_service.model.config import F0_LOOK_RIGHT, HOLDBACK_FRAMES, HiFTConfig
 from vocoder_service.model.layers import (
     CausalF0Predictor,
     CausalUpsample,

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
-from token2wav import SAMPLES_PER_FRAME
-from vocoder_service.model.config import F0_LOOK_RIGHT, SAMPLE_RATE, HiFTConfig
+from token2wav import SAMPLE_RATE, SAMPLES_PER_FRAME
+from vocoder_service.model.config import F0_LOOK_RIGHT, HiFTConfig
 from vocoder_service.model.noise import hift_noise_buffers
 
 SNAKE_EPS = 1e-9  # upstream's no_div_by_zero in Snake
