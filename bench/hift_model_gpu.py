@@ -37,17 +37,17 @@ import time
 
 import torch
 
+from token2wav import SAMPLES_PER_FRAME
 from vocoder_service.model import (
     HIFT_PRESETS,
     HOLDBACK_FRAMES,
-    HOP_SAMPLES,
     MEL_BINS,
     SAMPLE_RATE,
     HiFTSessionState,
     load_hift,
 )
 
-FRAMES_PER_S = SAMPLE_RATE // HOP_SAMPLES  # 50
+FRAMES_PER_S = SAMPLE_RATE // SAMPLES_PER_FRAME  # 50
 CHUNK = 100  # frames per timed chunk (2 s of audio)
 SMOKE = "--smoke" in sys.argv[1:]
 PRESET = "small" if SMOKE else "cosyvoice3-0.5b"
@@ -93,10 +93,11 @@ def timed(fn, repeats: int = REPEATS, warmup: int = WARMUP, setup=None) -> float
 
 def make_mel(frames: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(MEL_BINS, frames, generator=g) - 5
+    return torch.randn(MEL_BINS, frames, generator=g) - 5  # log-mel-like level
 
 
 def upstream_schedule(total: int) -> list[int]:
+    """Upstream's mel chunks for a 0-pad prompt: 50, 100, 200, 200, ... (hop 25 -> 50 -> 100)."""
     sizes, n, hop = [], 0, 50
     while n < total:
         sizes.append(min(hop, total - n))
@@ -109,10 +110,31 @@ def stream(model, mel, sizes, finalize_last: bool) -> torch.Tensor:
     st, outs, pos = model.new_session(), [], 0
     for i, n in enumerate(sizes):
         outs.append(
-            model.step_one(st, mel[:, pos : pos + n], finalize_last and i == len(sizes) - 1)
+            model.decode_one(st, mel[:, pos : pos + n], finalize_last and i == len(sizes) - 1)
         )
         pos += n
     return torch.cat(outs)
+
+
+def batched_and_solo(model, mels, history, chunk, finalize):
+    """The same chunks (`chunk[i]` frames of `mels[i]` after its first `history[i]`) through one
+    batched call and through one call per session, from sessions that have already taken their
+    history: (batched audio, solo audio, batched states, solo states)."""
+
+    def sessions():
+        out = []
+        for mel, h in zip(mels, history):
+            st = model.new_session()
+            if h:
+                model.decode_one(st, mel[:, :h], False)
+            out.append(st)
+        return out
+
+    batch_states, solo_states = sessions(), sessions()
+    new = [mel[:, h : h + n] for mel, h, n in zip(mels, history, chunk)]
+    batched = model.decode_batch(batch_states, new, finalize)
+    solo = [model.decode_one(st, x, f) for st, x, f in zip(solo_states, new, finalize)]
+    return batched, solo, batch_states, solo_states
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -151,20 +173,7 @@ def exactness(model, res: dict) -> None:
     hist = [0, 3, 40, 90, 200, 333, 500, 640]
     chunk = [50, 1, 100, 7, 200, 64, 150, 100]
     fins = [False, True, False, False, True, False, True, False]
-
-    def sessions():
-        out = []
-        for m, h in zip(mels, hist):
-            st = model.new_session()
-            if h:
-                model.step_one(st, m[:, :h], False)
-            out.append(st)
-        return out
-
-    a, b = sessions(), sessions()
-    new = [m[:, h : h + n] for m, h, n in zip(mels, hist, chunk)]
-    batched = model.step(b, new, fins)
-    solo = [model.step_one(st, x, f) for st, x, f in zip(a, new, fins)]
+    batched, solo, _, _ = batched_and_solo(model, mels, hist, chunk, fins)
     res["batched_vs_solo_max_abs"] = max(max_err(x, y) for x, y in zip(batched, solo) if x.numel())
 
 
@@ -174,11 +183,11 @@ def latency(model, res: dict) -> None:
         mel = make_mel(h + CHUNK, seed=20 + hist_s)
         st = model.new_session()
         for pos in range(0, h, 200):
-            model.step_one(st, mel[:, pos : min(pos + 200, h)], False)
+            model.decode_one(st, mel[:, pos : min(pos + 200, h)], False)
         blob = st.to_bytes()
         chunk = mel[:, h:]
         res[f"session_ms_per_100f_hist{hist_s}s"] = timed(
-            lambda s, chunk=chunk: model.step_one(s, chunk, False),
+            lambda s, chunk=chunk: model.decode_one(s, chunk, False),
             setup=lambda blob=blob: HiFTSessionState.from_bytes(blob),
         )
         res[f"redecode_ms_per_100f_hist{hist_s}s"] = timed(
@@ -191,13 +200,13 @@ def throughput(model, res: dict, tag: str = "") -> None:
     for n in BATCH_SIZES:
         mels = [make_mel(500 + steps * CHUNK + 10, seed=100 + i) for i in range(n)]
         states = [model.new_session() for _ in range(n)]
-        model.step(states, [m[:, :500] for m in mels], [False] * n)  # 10 s of history each
+        model.decode_batch(states, [m[:, :500] for m in mels], [False] * n)  # 10 s of history each
         blobs = [st.to_bytes() for st in states]
 
         def run(sts, mels=mels, n=n):
             for k in range(steps):
                 lo = 500 + k * CHUNK
-                model.step(sts, [m[:, lo : lo + CHUNK] for m in mels], [False] * n)
+                model.decode_batch(sts, [m[:, lo : lo + CHUNK] for m in mels], [False] * n)
 
         ms = timed(
             run,

@@ -368,7 +368,7 @@ def ours_stream(flow: FlowModel, hifts: dict[str, HiFTGenerator], x: dict):
         mel = flow.generate([req])[0]
         mels.append(mel)
         for name, h in hifts.items():
-            audio[name].append(h.step_one(states[name], mel, c.finalize).float().cpu())
+            audio[name].append(h.decode_one(states[name], mel, c.finalize).float().cpu())
         calls.append((c.num_tokens, c.token_offset, c.finalize))
     return torch.cat(mels, dim=1), {k: torch.cat(v) for k, v in audio.items()}, calls
 

@@ -27,13 +27,14 @@ import grpc
 import numpy as np
 import torch
 
+from token2wav import SAMPLES_PER_FRAME
 from token2wav.dtypes import DTYPES
 from token2wav.server import ServerOptions
 from token2wav.service import start as start_service
 from token2wav.tensors import decode, encode
 from token2wav.v1 import vocoder_pb2, vocoder_pb2_grpc
 from vocoder_service.config import BatcherConfig, ModelConfig, SessionConfig, VocoderServiceConfig
-from vocoder_service.model import HOP_SAMPLES, SAMPLE_RATE, load_hift
+from vocoder_service.model import SAMPLE_RATE, load_hift
 from vocoder_service.service import VocoderService
 
 UPSTREAM_HOPS = (50, 100, 200)  # mel frames (25, 50, 100 tokens), then 200 until the end
@@ -85,7 +86,7 @@ async def one_session(stub, rid: str, mel: np.ndarray, sizes: list[int]):
         timings.append((answer.timing.queue_ms, answer.timing.compute_ms, answer.timing.batch_size))
         offset += n
     await call.done_writing()
-    if samples != mel.shape[1] * HOP_SAMPLES:
+    if samples != mel.shape[1] * SAMPLES_PER_FRAME:
         raise RuntimeError(f"{rid}: {samples} samples for {mel.shape[1]} frames")
     return latencies, timings, samples
 
@@ -187,7 +188,7 @@ def incremental(model, mel: torch.Tensor, sizes: list[int], device: str):
     for k, n in enumerate(sizes):
         chunk = mel[:, offset : offset + n]
         (out,), ms = timed(
-            lambda c=chunk, k=k: model.step([st], [c], [k == len(sizes) - 1]), device
+            lambda c=chunk, k=k: model.decode_batch([st], [c], [k == len(sizes) - 1]), device
         )
         pieces.append(out)
         per_chunk.append((offset, ms))  # (history frames before the chunk, ms)
@@ -206,7 +207,7 @@ def model_only(model, args) -> list[dict]:
         for k in range(len(sizes)):
             chunk = [m[:, edges[k] : edges[k + 1]] for m in mels[:n]]
             last = [k == len(sizes) - 1] * n
-            batched += timed(lambda s=states, c=chunk, f=last: model.step(s, c, f), dev)[1]
+            batched += timed(lambda s=states, c=chunk, f=last: model.decode_batch(s, c, f), dev)[1]
         serial = 0.0
         for m in mels[:n]:
             serial += sum(ms for _, ms in incremental(model, m, sizes, dev)[1])

@@ -59,18 +59,20 @@ def gateway_config(*flags: str) -> GatewayConfig:
     return GatewayConfig.from_args(gateway_parser().parse_args([*LOOPBACK, *flags]))
 
 
-async def start_flow(flow_model, *flags: str, port: int = 0, delay=None) -> GrpcServer:
-    """A SERVING flow server, not warmed up (the model's calls stay the test's); `delay(request)`
-    seconds are waited before each call reaches the engine (ordering under uneven latency)."""
+async def start_flow(flow_model, *flags: str, port: int = 0, around=None) -> GrpcServer:
+    """A SERVING flow server, not warmed up (the model's calls stay the test's).
+
+    `around(request, submit)`, a coroutine, stands between each call and the engine: it awaits
+    `submit()` (the engine's answer) when it chooses, so a test holds calls on its own events
+    (ordering under uneven latency, calls kept in flight) and sees them come back."""
     service = FlowService(flow_config(*flags, port=port), model=flow_model)
-    if delay is not None:
+    if around is not None:
         submit = service.engine.submit
 
-        async def delayed(request, *args, **kw):
-            await asyncio.sleep(delay(request))
-            return await submit(request, *args, **kw)
+        async def held(request, *args, **kw):
+            return await around(request, lambda: submit(request, *args, **kw))
 
-        service.engine.submit = delayed
+        service.engine.submit = held
     return await start(service, warmup=False)
 
 
@@ -153,12 +155,14 @@ async def start_stack(
     gateway=True,
     vocoder_flags=(),
     flow_flags=(),
-    flow_delay=None,
+    flow_around=None,
 ) -> Stack:
     """`num_flows` flow servers, `num_vocoders` vocoders and (with `gateway`) a gateway routed
-    to them; `flow_delay`: see start_flow."""
+    to them; `flow_around`: see start_flow."""
     flow_model, hift = models
-    flows = [await start_flow(flow_model, *flow_flags, delay=flow_delay) for _ in range(num_flows)]
+    flows = [
+        await start_flow(flow_model, *flow_flags, around=flow_around) for _ in range(num_flows)
+    ]
     vocoders = [await start_vocoder(hift, *vocoder_flags) for _ in range(num_vocoders)]
     gserver = None
     if gateway:

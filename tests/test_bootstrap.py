@@ -32,17 +32,21 @@ def test_health_warmup_sigterm_drain_and_metrics():
         [
             sys.executable,
             str(HERE / "_bootstrap_server.py"),
-            "--warmup",
-            "1.0",
             "--drain-delay",
             "0.6",
             "--grace",
             "10",
         ],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         env=env,
     )
+
+    def tell(word: str) -> None:  # the stand-in's warm-up and held messages wait for these
+        proc.stdin.write(word + "\n")
+        proc.stdin.flush()
+
     try:
         line = proc.stdout.readline().split()
         assert line[0] == "PORT", line
@@ -55,11 +59,12 @@ def test_health_warmup_sigterm_drain_and_metrics():
         # Listening but still warming up: NOT_SERVING, for the whole server and the service.
         assert _health(channel) == NOT
         assert _health(channel, "test.Slow") == NOT
+        tell("warm")
         wait_until(lambda: _health(channel) == SERVING, 10, "never SERVING after warm-up")
         assert _health(channel, "test.Slow") == SERVING
 
         count = channel.unary_stream("/test.Slow/Count")
-        list(count(b"1,0", timeout=5))  # one finished call, so the counter has a sample
+        list(count(b"1,1", timeout=5))  # one finished call, so the counter has a sample
         body = (
             urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5)
             .read()
@@ -71,14 +76,14 @@ def test_health_warmup_sigterm_drain_and_metrics():
 
         def consume():
             try:
-                for msg in count(b"12,0.15", timeout=20):
+                for msg in count(b"12,2", timeout=20):  # 2 now, 10 once released
                     received.append(msg)
             except grpc.RpcError as exc:  # pragma: no cover - the assertion below reports it
                 errors.append(exc)
 
         reader = threading.Thread(target=consume)
         reader.start()
-        wait_until(lambda: len(received) >= 2, 10, "the stream sent nothing")
+        wait_until(lambda: len(received) == 2, 10, "the stream did not send its first two")
         proc.send_signal(signal.SIGTERM)
         # Drain delay: still accepting, but health says NOT_SERVING.
         wait_until(lambda: _health(channel) == NOT, 0.5, "still SERVING 0.5 s after SIGTERM")
@@ -88,7 +93,7 @@ def test_health_warmup_sigterm_drain_and_metrics():
 
         def probe_refused():
             try:
-                list(count(b"1,0", timeout=5))
+                list(count(b"1,1", timeout=5))
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.CANCELLED:
                     # accepted in the instant the listener closed, then cut: neither served nor
@@ -100,7 +105,8 @@ def test_health_warmup_sigterm_drain_and_metrics():
 
         wait_until(probe_refused, 10, "new calls still accepted 10 s after SIGTERM")
         assert refused == [grpc.StatusCode.UNAVAILABLE]
-        assert len(received) < 12, "the in-flight stream should still be running"
+        assert len(received) == 2, "the in-flight stream should still be running"
+        tell("release")  # it finishes during the drain
         reader.join(15)
         assert not errors, errors
         assert [int(m) for m in received] == list(range(12))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import test_gateway
 import torch
+from _stack import until, wait_until
 from prometheus_client import REGISTRY
 from test_gateway import _call, cfg_msg, start_stack, stream_inputs, tok
 
@@ -110,9 +111,7 @@ class TokensThatBreakMidStream(list):
 
     def __iter__(self):
         yield from self[:-1]
-        deadline = time.monotonic() + 10
-        while _gauge("t2w_gateway_active_streams") < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: _gauge("t2w_gateway_active_streams") >= 1, 10, "no stream opened")
         yield -1
 
 
@@ -135,10 +134,7 @@ def test_feeder_failure_cancels_the_call_instead_of_hanging(models, tmp_path, ca
                 )
             assert time.monotonic() - started < 20
             # The gateway saw the stream, then its cancellation: nothing stays open.
-            deadline = time.monotonic() + 10
-            while _gauge("t2w_gateway_active_streams") and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-            assert _gauge("t2w_gateway_active_streams") == 0
+            await until(lambda: _gauge("t2w_gateway_active_streams") == 0, 10, "stream left open")
             assert _gauge(cancelled, outcome="CancelledError") == before + 1
             # The wire: an id past 2^32 arrives whole (uint64) and is refused, not truncated.
             code, msg = await _call(stack.target, [cfg_msg(voice), tok([1, 2**40])])

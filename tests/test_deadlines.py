@@ -50,7 +50,7 @@ from gateway.schedule import FlowCall
 from token2wav.errors import ResourceExhausted
 from token2wav.tensors import encode, make_voice
 from token2wav.v1 import flow_pb2, flow_pb2_grpc
-from vocoder_service.chunks import Chunk as VocoderChunk
+from vocoder_service.chunks import MelChunk
 from vocoder_service.config import SessionConfig
 from vocoder_service.manager import SessionManager
 from vocoder_service.model import load_hift
@@ -191,12 +191,12 @@ async def test_vocoder_steps_serve_least_slack_first():
     mel = np.zeros((80, 4), np.float32)
     chunks = {}
     for rid, due in (("a", math.inf), ("b", 5.0), ("c", 1.0), ("d", math.inf)):
-        chunks[rid] = VocoderChunk(rid, 0, mel, False, due=due)
+        chunks[rid] = MelChunk(rid, 0, mel, False, due=due)
         mgr.submit(chunks[rid])
     assert [c.request_id for c in mgr.take_ready(3)] == ["c", "b", "a"]
     mgr2 = SessionManager(SessionConfig(), lambda: object(), lambda b: object())
     for rid in ("x", "y"):
-        mgr2.submit(VocoderChunk(rid, 0, mel, False))
+        mgr2.submit(MelChunk(rid, 0, mel, False))
     assert [c.request_id for c in mgr2.take_ready(2)] == ["x", "y"]  # no deadlines: FIFO
 
 

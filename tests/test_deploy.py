@@ -486,14 +486,13 @@ def test_offline_build_env_pins_the_local_wheel(tmp_path):
     wheel.write_bytes(b"")
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", TORCH_WHEEL=str(wheel))
     copied = ROOT / "deploy/wheels" / wheel.name
+
+    def env_sh():
+        cmd = [ROOT / "deploy/base-image/env.sh", "base:local"]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+
     try:
-        out = subprocess.run(
-            [ROOT / "deploy/base-image/env.sh", "base:local"],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-        )
+        out = env_sh()
         assert out.returncode == 0, out.stderr
         assert copied.is_file()  # the build context offers it to pip (--find-links)
     finally:
@@ -504,13 +503,7 @@ def test_offline_build_env_pins_the_local_wheel(tmp_path):
         "T2W_TORCH_INDEX_URL=https://pypi.org/simple",
     ]
     env.update(TORCH_WHEEL="", INDEX_URL="https://mirror.example/simple")
-    out = subprocess.run(
-        [ROOT / "deploy/base-image/env.sh", "base:local"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    out = env_sh()
     assert out.stdout.splitlines() == [
         "T2W_BASE_IMAGE=base:local",
         "T2W_TORCH_INDEX_URL=https://mirror.example/simple",

@@ -5,6 +5,7 @@ overload and drain answer with the documented codes."""
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import threading
 import time
@@ -29,43 +30,57 @@ def model():
     return load_flow(None, preset="small")
 
 
-class SlowModel(torch.nn.Module):
-    """The real model behind a delay, to hold the runner busy while the test acts."""
+class GatedModel(torch.nn.Module):
+    """The real model behind a gate: a batch waits in the runner until the test sets `gate`,
+    so the runner is busy exactly while the test acts (no sleeps)."""
 
-    def __init__(self, inner, delay: float):
+    def __init__(self, inner):
         super().__init__()
         self.inner = inner
-        self.delay = delay
+        self.gate = threading.Event()
         self.batch_sizes: list[int] = []
 
     def generate(self, chunks, **kw):
         self.batch_sizes.append(len(chunks))
-        time.sleep(self.delay)
+        if not self.gate.wait(timeout=30):
+            raise TimeoutError("test gate never opened")
         return self.inner.generate(chunks, **kw)
 
 
-class SlowSteps(torch.nn.Module):
-    """The real model with a delay after each solver step, so a batch lasts long enough for
-    calls to arrive while it runs. While `gate` is clear, a batch of later chunks holds at the
-    end of its first step (before the engine looks at the queue): tests line calls up there."""
+class HeldSteps(torch.nn.Module):
+    """The real model, whose batches of later chunks (no first chunk in them) can be held at
+    the end of a solver step, before the engine looks at the queue: tests line calls up there.
+    `hold()`: such a batch stops at its next step end; `release(n)`: n more step ends may pass
+    (all of them by default)."""
 
-    def __init__(self, inner, step_delay: float):
+    def __init__(self, inner):
         super().__init__()
         self.inner = inner
         self.decoder = inner.decoder  # the engine graphs decoder.estimator on CUDA
-        self.step_delay = step_delay
-        self.gate = threading.Event()
-        self.gate.set()
+        self.cond = threading.Condition()
+        self.passed = 0  # step ends of held batches that went on
+        self.limit = math.inf  # how many may go on
         self.batches: list[list[int]] = []  # token_offset of each request, per batch
+
+    def hold(self) -> None:
+        with self.cond:
+            self.limit = self.passed
+
+    def release(self, n: float = math.inf) -> None:
+        with self.cond:
+            self.limit += n
+            self.cond.notify_all()
 
     def generate(self, chunks, between_steps=None, **kw):
         self.batches.append([c.token_offset for c in chunks])
         hold = all(c.token_offset > 0 for c in chunks)
 
         def step_done():
-            time.sleep(self.step_delay)
-            if hold and not self.gate.wait(timeout=30):
-                raise TimeoutError("test gate never opened")
+            if hold:
+                with self.cond:
+                    if not self.cond.wait_for(lambda: self.passed < self.limit, timeout=30):
+                        raise TimeoutError("test never released the held batch")
+                    self.passed += 1
             if between_steps is not None:
                 between_steps()
 
@@ -153,15 +168,20 @@ CASES = [  # (prompt tokens, target tokens, offset, finalize, streaming)
 
 
 async def test_32_concurrent_streams_match_solo_and_batch(model):
-    slow = SlowModel(model, 0.05)  # first batch holds the runner so the rest queue up
+    slow = GatedModel(model)  # the first batch holds the runner until the rest queue up
     server, engine, channel = await start(slow, "--max-wait-ms", "20")
     try:
         stub = flow_pb2_grpc.FlowStub(channel)
         streams = [make_stream(100 + i, p, n) for i, (p, n, *_) in enumerate(CASES)]
         calls = [
-            stub.Generate(request_for(v, t, o, f, s, request_id=f"s{i}"), timeout=60)
+            asyncio.ensure_future(
+                stub.Generate(request_for(v, t, o, f, s, request_id=f"s{i}"), timeout=60)
+            )
             for i, ((v, t), (_, _, o, f, s)) in enumerate(zip(streams, CASES))
         ]
+        await until(lambda: slow.batch_sizes)
+        await until(lambda: slow.batch_sizes[0] + len(engine.scheduler) == len(CASES))
+        slow.gate.set()
         responses = await asyncio.gather(*calls)
         for (v, t), (p, n, o, f, s), resp in zip(streams, CASES, responses):
             mel = decode(resp.mel, "mel", shape=(80, None))
@@ -217,7 +237,7 @@ def bad_requests(voice, tokens):
 
 
 async def test_bad_fields_rejected_alone(model):
-    server, engine, channel = await start(SlowModel(model, 0.02))
+    server, engine, channel = await start(model)
     try:
         stub = flow_pb2_grpc.FlowStub(channel)
         voice, tokens = make_stream(7, 20, 30)
@@ -249,7 +269,7 @@ async def test_bad_fields_rejected_alone(model):
 
 
 async def test_cancel_and_deadline_leave_others_intact(model):
-    slow = SlowModel(model, 0.3)
+    slow = GatedModel(model)
     server, engine, channel = await start(slow, "--max-batch-size", "4")
     try:
         stub = flow_pb2_grpc.FlowStub(channel)
@@ -262,11 +282,13 @@ async def test_cancel_and_deadline_leave_others_intact(model):
         await until(lambda: slow.batch_sizes)  # the runner holds it
         keep = [stub.Generate(r, timeout=30) for r in reqs[1:5]]
         cancelled = [stub.Generate(r, timeout=30) for r in reqs[5:7]]
-        expiring = stub.Generate(reqs[7], timeout=0.1)
+        expiring = asyncio.ensure_future(stub.Generate(reqs[7], timeout=0.1))
         queued = lambda: {c.payload.cache_key for c in engine.scheduler.waiting}  # noqa: E731
         await until(lambda: {"c5", "c6"} <= queued())  # the calls to cancel wait in the queue
         for c in cancelled:
             c.cancel()
+        await until(expiring.done, what="the 0.1 s deadline never passed")  # while queued
+        slow.gate.set()
         results = await asyncio.gather(blocker, *keep, expiring, *cancelled, return_exceptions=True)
         kept = results[:5]
         for (v, t), res in zip(streams[:5], kept):
@@ -281,9 +303,8 @@ async def test_cancel_and_deadline_leave_others_intact(model):
 
 
 async def test_overload_is_rejected_quickly(model):
-    server, engine, channel = await start(
-        SlowModel(model, 0.5), "--max-queue", "3", "--max-batch-size", "1"
-    )
+    slow = GatedModel(model)
+    server, engine, channel = await start(slow, "--max-queue", "3", "--max-batch-size", "1")
     try:
         stub = flow_pb2_grpc.FlowStub(channel)
         voice, tokens = make_stream(9, 10, 20)
@@ -293,9 +314,10 @@ async def test_overload_is_rejected_quickly(model):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.Generate(req, timeout=30)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        # Answered at once, not after a place freed up: the queue still holds the same three
-        # (no wall-clock bound, which a loaded 2-core machine breaks).
+        # Answered at once, not after a place freed up: the runner is held, the queue still
+        # holds the same three (no wall-clock bound, which a loaded 2-core machine breaks).
         assert len(engine.scheduler) == 3
+        slow.gate.set()
         await asyncio.gather(*first)
     finally:
         await stop(server, engine, channel)
@@ -303,7 +325,7 @@ async def test_overload_is_rejected_quickly(model):
 
 async def test_drain_finishes_in_flight_and_refuses_new(model):
     args = ["--grace-period", "10"]
-    slow = SlowModel(model, 0.4)
+    slow = GatedModel(model)
     server, engine, channel = await start(slow, *args)
     stub = flow_pb2_grpc.FlowStub(channel)
     voice, tokens = make_stream(11, 10, 20)
@@ -316,6 +338,7 @@ async def test_drain_finishes_in_flight_and_refuses_new(model):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Generate(req, timeout=5)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    slow.gate.set()
     resp = await in_flight
     assert decode(resp.mel, "mel").shape == (80, 2 * (20 - 3))
     await drain
@@ -327,7 +350,7 @@ async def test_drain_finishes_in_flight_and_refuses_new(model):
 async def test_first_chunks_run_between_steps_of_a_long_batch(model, preempt):
     """First chunks that arrive while a batch of later chunks runs are served between two of
     its solver steps (with --preempt), and every result still equals its solo result."""
-    slow = SlowSteps(model, 0.02)
+    slow = HeldSteps(model)
     server, engine, channel = await start(slow, "--preempt", str(preempt).lower())
     try:
         stub = flow_pb2_grpc.FlowStub(channel)
@@ -342,12 +365,12 @@ async def test_first_chunks_run_between_steps_of_a_long_batch(model, preempt):
             done_at[name] = time.monotonic()
             return resp
 
-        slow.gate.clear()  # the first batch of later chunks holds after its first step
+        slow.hold()  # the first batch of later chunks holds after its first step
         long_batch = [asyncio.ensure_future(call(f"later{i}", *c)) for i, c in enumerate(later)]
         await until(lambda: len(slow.batches) == 1)
         urgent = [asyncio.ensure_future(call(f"first{i}", *c)) for i, c in enumerate(first)]
         await until(lambda: engine.scheduler.num_first_chunks_waiting == 2)
-        slow.gate.set()
+        slow.release()
         responses = await asyncio.gather(*long_batch, *urgent)
 
         for ((voice, tokens), offset, finalize), resp in zip([*later, *first], responses):
@@ -382,16 +405,16 @@ async def test_preemption_on_cuda_sharing_a_graph_changes_no_result():
     first = [(*make_stream(800 + i, 30, 28), 0, False, True) for i in range(2)]
 
     async def run(preempt: bool):
-        slow = SlowSteps(cuda_model, 0.03)
+        slow = HeldSteps(cuda_model)
         engine = FlowEngine(slow, BatchPolicy(), graph_max_batch=8, preempt=preempt)
         engine.start()
         try:
-            slow.gate.clear()
+            slow.hold()
             running = [asyncio.ensure_future(engine.submit(chunk_request(*c))) for c in later]
             await until(lambda: len(slow.batches) == 1)
             urgent = [asyncio.ensure_future(engine.submit(chunk_request(*c))) for c in first]
             await until(lambda: engine.scheduler.num_first_chunks_waiting == 2)
-            slow.gate.set()
+            slow.release()
             results = await asyncio.gather(*running, *urgent)
         finally:
             await engine.stop()
@@ -406,8 +429,8 @@ async def test_preemption_on_cuda_sharing_a_graph_changes_no_result():
         assert torch.equal(a, b)
 
 
-class FailsOnFirstChunks(SlowSteps):
-    """Slow steps, and any batch holding a first chunk raises: a failing urgent batch."""
+class FailsOnFirstChunks(HeldSteps):
+    """Held steps, and any batch holding a first chunk raises: a failing urgent batch."""
 
     def generate(self, chunks, between_steps=None, **kw):
         if any(c.token_offset == 0 for c in chunks):
@@ -417,7 +440,7 @@ class FailsOnFirstChunks(SlowSteps):
 
 
 async def test_failing_urgent_batch_fails_only_its_calls(model):
-    slow = FailsOnFirstChunks(model, 0.04)
+    slow = FailsOnFirstChunks(model)
     server, engine, channel = await start(slow)
     try:
         stub = flow_pb2_grpc.FlowStub(channel)
@@ -427,7 +450,7 @@ async def test_failing_urgent_batch_fails_only_its_calls(model):
         def req(stream, offset, name):
             return request_for(*stream, offset, False, True, request_id=name)
 
-        slow.gate.clear()
+        slow.hold()
         running = [
             asyncio.ensure_future(stub.Generate(req(s, o, f"l{i}"), timeout=60))
             for i, (s, o) in enumerate(later)
@@ -435,11 +458,12 @@ async def test_failing_urgent_batch_fails_only_its_calls(model):
         await until(lambda: len(slow.batches) == 1)
         failing = asyncio.ensure_future(stub.Generate(req(first, 0, "f"), timeout=60))
         await until(lambda: engine.scheduler.num_first_chunks_waiting == 1)
-        slow.gate.set()
+        slow.release(1)  # one step end: the urgent batch runs there, then the held one stops
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await failing
         assert info.value.code() == grpc.StatusCode.INTERNAL
         assert not any(c.done() for c in running)  # it failed between their steps
+        slow.release()
         for ((voice, tokens), offset), resp in zip(later, await asyncio.gather(*running)):
             mel = decode(resp.mel, "mel", shape=(80, None))
             assert close(mel, solo(model, voice, tokens, offset, False, True))

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from _stack import start_stack, stream_inputs
+from _stack import start_stack, stream_inputs, until
 
 from flow_service import metrics as flow_metrics
 from flow_service.model import load_flow
@@ -262,19 +262,13 @@ async def test_cancelled_clients_leave_nothing_behind(models, caplog):
                     s.cancel()
             await client.channel.close()
             await asyncio.gather(*firsts, return_exceptions=True)
-            deadline = time.monotonic() + 2.0
-            while stack.sessions(0) and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-            assert not stack.sessions(0), f"sessions outlived their clients: {stack.sessions(0)}"
-        deadline = time.monotonic() + 30.0  # a running CPU batch may hold the loop a while
-        while len(stack.engine.scheduler) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        assert len(stack.engine.scheduler) == 0
-        deadline = time.monotonic() + 2.0
-        while flow_metrics.QUEUE_DEPTH._value.get() and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        assert flow_metrics.QUEUE_DEPTH._value.get() == 0
+            await until(lambda: not stack.sessions(0), 2.0, "sessions outlived their clients")
+        # a running CPU batch may hold the loop a while
+        await until(lambda: len(stack.engine.scheduler) == 0, 30.0, "flow calls left queued")
+        await until(lambda: not flow_metrics.QUEUE_DEPTH._value.get(), 2.0, "queue depth > 0")
         gc.collect()
+        # not a synchronisation: a window in which the loop runs what the collected objects
+        # scheduled, so a "destroyed but it is pending" warning has the chance to appear
         await asyncio.sleep(0.05)
         gc.collect()
     finally:
@@ -443,16 +437,14 @@ async def test_streams_per_client_are_bounded(models):
             held = [client.stream(voice, audio_format="float32") for _ in range(2)]
             for s in held:
                 await s.send(tokens[:5])  # admitted, then idle: both slots taken
-            while stack.gateway_server_streams() < 2:
-                await asyncio.sleep(0.01)
+            await until(lambda: stack.gateway_server_streams() >= 2, what="streams not admitted")
             third = await collect(client, voice, tokens)
             assert isinstance(third, grpc.aio.AioRpcError) and third.code() == RE
             assert "--max-streams-per-client" in third.details()
             for s in held:
                 s.cancel()
             # the slots come back
-            while stack.gateway_server_streams():
-                await asyncio.sleep(0.01)
+            await until(lambda: not stack.gateway_server_streams(), what="slots not freed")
             assert audio(await collect(client, voice, tokens)).size == 30 * SAMPLES_PER_TOKEN
     finally:
         await stack.stop()

@@ -15,11 +15,12 @@ from gateway.routing import ReplicaSet, parse_spec, rendezvous, rendezvous_order
 METHOD = "/t2w.test.Slow/Wait"
 
 
-async def _slow_server(delay_s: float, arrived: asyncio.Event | None = None):
+async def _slow_server(arrived: asyncio.Event, release: asyncio.Event):
+    """A server whose one method sets `arrived`, then answers once the test sets `release`."""
+
     async def wait(request: bytes, context) -> bytes:
-        if arrived is not None:
-            arrived.set()
-        await asyncio.sleep(delay_s)  # the work the call stands for
+        arrived.set()
+        await release.wait()  # the work the call stands for, as long as the test needs
         return b"done:" + request
 
     handler = grpc.method_handlers_generic_handler(
@@ -48,9 +49,9 @@ async def _call_through(replicas: ReplicaSet, addr: str, payload: bytes) -> byte
     return await call(payload, timeout=30)
 
 
-async def _start_call_on_leaving_replica(monkeypatch, grace_s: float, delay_s: float):
+async def _start_call_on_leaving_replica(monkeypatch, grace_s: float, release: asyncio.Event):
     arrived = asyncio.Event()
-    server, port = await _slow_server(delay_s, arrived)
+    server, port = await _slow_server(arrived, release)
     answers = {"replicas.test": ["127.0.0.1", "127.0.0.2"]}
     _fake_dns(monkeypatch, answers)
     replicas = ReplicaSet(f"dns:///replicas.test:{port}", refresh_s=0.0, retire_grace_s=grace_s)
@@ -66,10 +67,11 @@ async def _start_call_on_leaving_replica(monkeypatch, grace_s: float, delay_s: f
 
 @pytest.mark.asyncio
 async def test_call_on_a_replica_that_left_dns_finishes(monkeypatch):
-    server, replicas, call = await _start_call_on_leaving_replica(
-        monkeypatch, grace_s=30.0, delay_s=1.0
-    )
+    release = asyncio.Event()
+    server, replicas, call = await _start_call_on_leaving_replica(monkeypatch, 30.0, release)
     try:
+        assert not call.done()  # still running on the replica that left
+        release.set()
         assert await call == b"done:x"
         await until(
             lambda: replicas.num_retiring == 0, timeout=10
@@ -84,9 +86,8 @@ async def test_call_on_a_replica_that_left_dns_finishes(monkeypatch):
 
 @pytest.mark.asyncio
 async def test_retire_grace_bounds_how_long_a_leaving_replica_is_kept(monkeypatch):
-    server, replicas, call = await _start_call_on_leaving_replica(
-        monkeypatch, grace_s=0.2, delay_s=5.0
-    )
+    # the call is never released: only the 0.2 s grace can end it
+    server, replicas, call = await _start_call_on_leaving_replica(monkeypatch, 0.2, asyncio.Event())
     try:
         # grpc.aio reports a call its own channel cancelled as asyncio.CancelledError.
         with pytest.raises(asyncio.CancelledError):

@@ -11,10 +11,11 @@ import re
 import pytest
 import torch
 
+from bench.hift_model_gpu import batched_and_solo, make_mel, upstream_schedule
+from token2wav import SAMPLES_PER_FRAME
 from vocoder_service.model import (
     HIFT_PRESETS,
     HOLDBACK_FRAMES,
-    HOP_SAMPLES,
     MAX_FRAMES,
     MAX_SAMPLES,
     MEL_BINS,
@@ -55,21 +56,6 @@ def small64() -> HiFTGenerator:
     return load_hift(None, preset="small", dtype=torch.float64)
 
 
-def make_mel(frames: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(MEL_BINS, frames, generator=g) - 5  # log-mel-like level
-
-
-def upstream_schedule(total: int) -> list[int]:
-    """Upstream's mel chunks for a 0-pad prompt: 50, 100, 200, 200, ... (hop 25 -> 50 -> 100)."""
-    sizes, n, hop = [], 0, 50
-    while n < total:
-        sizes.append(min(hop, total - n))
-        n += sizes[-1]
-        hop = min(2 * hop, 200)
-    return sizes
-
-
 def random_schedule(total: int, seed: int, lo: int, hi: int) -> list[int]:
     rng, sizes, n = random.Random(seed), [], 0
     while n < total:
@@ -83,7 +69,7 @@ def stream(model, mel, sizes, finalize_last: bool, state=None):
     outs, pos = [], 0
     for i, n in enumerate(sizes):
         fin = finalize_last and i == len(sizes) - 1
-        outs.append(model.step_one(state, mel[:, pos : pos + n], fin))
+        outs.append(model.decode_one(state, mel[:, pos : pos + n], fin))
         pos += n
     return torch.cat(outs), state
 
@@ -92,10 +78,10 @@ def stream(model, mel, sizes, finalize_last: bool, state=None):
 
 
 def test_constants_and_presets():
-    assert (SAMPLE_RATE, HOP_SAMPLES, MEL_BINS, HOLDBACK_FRAMES) == (24000, 480, 80, 8)
-    assert MAX_SAMPLES == 300 * 24000 == MAX_FRAMES * HOP_SAMPLES
+    assert (SAMPLE_RATE, SAMPLES_PER_FRAME, MEL_BINS, HOLDBACK_FRAMES) == (24000, 480, 80, 8)
+    assert MAX_SAMPLES == 300 * 24000 == MAX_FRAMES * SAMPLES_PER_FRAME
     for cfg in HIFT_PRESETS.values():
-        assert math.prod(cfg.upsample_rates) * cfg.istft_hop == HOP_SAMPLES
+        assert math.prod(cfg.upsample_rates) * cfg.istft_hop == SAMPLES_PER_FRAME
         assert (cfg.istft_n_fft, cfg.istft_hop, cfg.upsample_rates) == (16, 4, (8, 5, 3))
     assert HIFT_PRESETS["small"].base_channels <= 64 < HIFT_PRESETS["cosyvoice3-0.5b"].base_channels
     full = HiFTGenerator(HIFT_PRESETS["cosyvoice3-0.5b"])
@@ -108,9 +94,9 @@ def test_constants_and_presets():
 def test_decode_lengths_and_range(small, frames):
     mel = make_mel(frames, seed=frames)
     y = small.decode(mel, finalize=True)
-    assert y.dtype == torch.float32 and y.shape == (HOP_SAMPLES * frames,)
+    assert y.dtype == torch.float32 and y.shape == (SAMPLES_PER_FRAME * frames,)
     held = small.decode(mel[None], finalize=False)  # (1, 80, T) accepted too
-    assert held.shape == (HOP_SAMPLES * max(frames - HOLDBACK_FRAMES, 0),)
+    assert held.shape == (SAMPLES_PER_FRAME * max(frames - HOLDBACK_FRAMES, 0),)
     assert float(y.abs().max()) <= 0.99 and float(y.abs().max()) > 0
     # Without finalize the held-back decode is a prefix of the finalized one (docs/REFERENCE.md §5.5).
     if held.numel():
@@ -150,11 +136,11 @@ def test_incremental_equals_full_history(small, name):
     # Without a final flush: exactly upstream's held-back decode of the same frames ...
     held, st = stream(small, mel, sizes, finalize_last=False)
     held_full = small.decode(mel, finalize=False)
-    assert held.shape == held_full.shape == (HOP_SAMPLES * (frames - HOLDBACK_FRAMES),)
+    assert held.shape == held_full.shape == (SAMPLES_PER_FRAME * (frames - HOLDBACK_FRAMES),)
     assert (held - held_full).abs().max().item() <= TOL_FP32
     # ... and an empty finalize chunk flushes the 8 held-back frames.
-    tail = small.step_one(st, torch.zeros(MEL_BINS, 0), finalize=True)
-    assert tail.shape == (HOP_SAMPLES * HOLDBACK_FRAMES,)
+    tail = small.decode_one(st, torch.zeros(MEL_BINS, 0), finalize=True)
+    assert tail.shape == (SAMPLES_PER_FRAME * HOLDBACK_FRAMES,)
     assert (torch.cat([held, tail]) - full).abs().max().item() <= TOL_FP32
 
 
@@ -171,14 +157,14 @@ def test_sixty_seconds_upstream_schedule_bounded_state(small):
     st, outs, nbytes = small.new_session(), [], []
     pos = 0
     for i, n in enumerate(sizes):
-        outs.append(small.step_one(st, mel[:, pos : pos + n], i == len(sizes) - 1))
+        outs.append(small.decode_one(st, mel[:, pos : pos + n], i == len(sizes) - 1))
         pos += n
         nbytes.append(st.nbytes)
         ctx = small.cfg.context_frames()
         assert st.mel.shape[1] <= ctx + HOLDBACK_FRAMES and st.f0.shape[0] <= ctx + HOLDBACK_FRAMES
     y = torch.cat(outs)
     full = small.decode(mel, finalize=True)
-    assert y.shape == full.shape == (HOP_SAMPLES * frames,)
+    assert y.shape == full.shape == (SAMPLES_PER_FRAME * frames,)
     assert (y - full).abs().max().item() <= TOL_FP32
     assert max(nbytes[3:-1]) == min(nbytes[3:-1])  # steady state: constant size, not growing
 
@@ -218,16 +204,16 @@ def test_receptive_field_measured_by_perturbation(small64):
     cfg, t, j = small64.cfg, 100, 30
     g = torch.Generator().manual_seed(14)
     mel = make_mel(t, seed=14).double()
-    source = (torch.rand(1, HOP_SAMPLES * t, generator=g, dtype=torch.float64) - 0.5) * 0.4
+    source = (torch.rand(1, SAMPLES_PER_FRAME * t, generator=g, dtype=torch.float64) - 0.5) * 0.4
     with torch.no_grad():
         base = _decode_fixed_source(small64, mel, source)
         mel_p = mel.clone()
         mel_p[:, :j] += 3 * torch.randn(MEL_BINS, j, generator=g, dtype=torch.float64)
         src_p = source.clone()
-        src_p[:, : HOP_SAMPLES * j] += 0.5
+        src_p[:, : SAMPLES_PER_FRAME * j] += 0.5
         reach = []
         for m, s in ((mel_p, source), (mel, src_p)):
-            diff = (_decode_fixed_source(small64, m, s) - base).abs().reshape(t, HOP_SAMPLES)
+            diff = (_decode_fixed_source(small64, m, s) - base).abs().reshape(t, SAMPLES_PER_FRAME)
             moved = (diff.amax(dim=1) > 0).nonzero().flatten()  # fp64 CPU convs: exact 0 outside
             reach.append(int(moved.max()) + 1 - j)  # frames after the perturbed span that moved
     measured = max(reach)
@@ -275,13 +261,13 @@ def test_phase_carry_over_60s_equals_one_shot(mode):
     if mode == "upstream":
         assert torch.equal(a, b)
         rad = (f0[:, None] * torch.arange(1, 10, dtype=torch.float32)) / SAMPLE_RATE % 1
-        upstream = torch.sin(torch.cumsum(rad[None], dim=1) * 2 * math.pi * HOP_SAMPLES)
+        upstream = torch.sin(torch.cumsum(rad[None], dim=1) * 2 * math.pi * SAMPLES_PER_FRAME)
         assert torch.equal(a.float(), upstream)
     else:
         assert (a - b).abs().max().item() <= 1e-10
         # The real-number value: 480 x sum of r, reduced mod 1 in exact rational steps.
         rad = (f0[:, None] * torch.arange(1, 10, dtype=torch.float32)) / SAMPLE_RATE % 1
-        cycles = (torch.cumsum(rad.double() * HOP_SAMPLES, dim=0)) % 1
+        cycles = (torch.cumsum(rad.double() * SAMPLES_PER_FRAME, dim=0)) % 1
         assert (b[0] - torch.sin(2 * math.pi * cycles)).abs().max().item() <= 1e-9
 
 
@@ -307,21 +293,11 @@ def test_batched_step_equals_solo(small):
     history = [0, 3, 20, 60, 150, 240]
     chunk = [50, 7, 100, 1, 13, 80]
     finalize = [False, True, False, False, True, True]
-
-    def sessions():
-        out = []
-        for mel, h in zip(mels, history):
-            st = small.new_session()
-            if h:
-                small.step_one(st, mel[:, :h], False)
-            out.append(st)
-        return out
-
-    solo_states, batch_states = sessions(), sessions()
-    new = [mel[:, h : h + n] for mel, h, n in zip(mels, history, chunk)]
-    batched = small.step(batch_states, new, finalize)
+    batched, solo, batch_states, solo_states = batched_and_solo(
+        small, mels, history, chunk, finalize
+    )
     for i in range(6):
-        alone = small.step_one(solo_states[i], new[i], finalize[i])
+        alone = solo[i]
         assert alone.shape == batched[i].shape
         if alone.numel():
             assert (alone - batched[i]).abs().max().item() <= TOL_BATCH
@@ -329,7 +305,7 @@ def test_batched_step_equals_solo(small):
 
 
 def _interleave(model, mels, schedules, rng, max_batch):
-    """Drive all sessions to the end, each tick advancing a random subset in one step()."""
+    """Drive all sessions to the end, each tick advancing a random subset in one decode_batch()."""
     states = [model.new_session() for _ in mels]
     pos = [0] * len(mels)
     idx = [0] * len(mels)
@@ -346,7 +322,7 @@ def _interleave(model, mels, schedules, rng, max_batch):
             fins.append(idx[i] == len(schedules[i]) - 1)
             pos[i] += n
             idx[i] += 1
-        for i, out in zip(rows, model.step([states[i] for i in rows], chunks, fins)):
+        for i, out in zip(rows, model.decode_batch([states[i] for i in rows], chunks, fins)):
             audio[i].append(out)
 
 
@@ -362,13 +338,13 @@ def test_interleaved_sessions_match_sequential(small):
     # Random batches of interleaved sessions: same samples up to kernel rounding.
     batched = _interleave(small, mels, schedules, random.Random(1), max_batch=n)
     for a, b, m in zip(batched, sequential, mels):
-        assert a.shape == b.shape == (HOP_SAMPLES * m.shape[1],)
+        assert a.shape == b.shape == (SAMPLES_PER_FRAME * m.shape[1],)
         assert (a - b).abs().max().item() <= TOL_BATCH
 
 
 def test_bad_row_rejected_alone(small):
     good, done = small.new_session(), small.new_session()
-    small.step_one(done, make_mel(20, 50), finalize=True)
+    small.decode_one(done, make_mel(20, 50), finalize=True)
     before = good.to_bytes()
     cases = [
         ([good, done], [make_mel(10, 1), make_mel(10, 2)], [False, False], "states[1]"),
@@ -382,7 +358,7 @@ def test_bad_row_rejected_alone(small):
     ]
     for states, mels, fins, field in cases:
         with pytest.raises(InvalidInput) as info:
-            small.step(states, mels, fins)
+            small.decode_batch(states, mels, fins)
         assert info.value.field == field and info.value.slot == 1
     assert good.to_bytes() == before  # validation happens before any state changes
 
@@ -403,14 +379,14 @@ def test_export_import_into_fresh_model_continues_identically(small):
     rest = []
     pos = sum(sizes[:cut])
     for i, n in enumerate(sizes[cut:]):
-        rest.append(other.step_one(moved, mel[:, pos : pos + n], i == len(sizes) - cut - 1))
+        rest.append(other.decode_one(moved, mel[:, pos : pos + n], i == len(sizes) - cut - 1))
         pos += n
     assert torch.equal(torch.cat([first, *rest]), reference)
 
 
 def test_state_bytes_rejects_bad_versions_and_blobs(small):
     st = small.new_session()
-    small.step_one(st, make_mel(30, 62), False)
+    small.decode_one(st, make_mel(30, 62), False)
     blob = st.to_bytes()
     assert HiFTSessionState.from_bytes(blob).to_bytes() == blob
     bumped = blob[:8] + (99).to_bytes(4, "little") + blob[12:]
@@ -421,13 +397,13 @@ def test_state_bytes_rejects_bad_versions_and_blobs(small):
     foreign = load_hift(None, preset="small", dtype=torch.float32)
     other_cfg = HiFTGenerator(HiFTConfig(base_channels=64, f0_cond_channels=64, noise_seed=7))
     with pytest.raises(InvalidInput, match="another model"):
-        other_cfg.step_one(HiFTSessionState.from_bytes(blob), make_mel(5, 1), False)
-    foreign.step_one(HiFTSessionState.from_bytes(blob), make_mel(5, 1), False)  # same model: ok
-    small.step_one(st, make_mel(60, 63), False)
+        other_cfg.decode_one(HiFTSessionState.from_bytes(blob), make_mel(5, 1), False)
+    foreign.decode_one(HiFTSessionState.from_bytes(blob), make_mel(5, 1), False)  # same model: ok
+    small.decode_one(st, make_mel(60, 63), False)
     short = HiFTSessionState.from_bytes(st.to_bytes())
     short.mel = short.mel[:, 20:]  # a crafted state that lost history the window needs
     with pytest.raises(InvalidInput, match="too little history") as info:
-        small.step_one(short, make_mel(5, 1), False)
+        small.decode_one(short, make_mel(5, 1), False)
     assert info.value.field == "session"
 
 
@@ -450,22 +426,22 @@ def test_bad_input_names_the_field(small):
     for mel, fin, field, text in cases:
         st = small.new_session()
         with pytest.raises(InvalidInput, match=text) as info:
-            small.step_one(st, mel, fin)
+            small.decode_one(st, mel, fin)
         assert info.value.field == field and isinstance(info.value, ValueError)
         assert st.num_frames == 0
     with pytest.raises(InvalidInput) as info:
         small.decode(torch.zeros(MEL_BINS, 0), finalize=True)
     assert info.value.field == "mel"
     st = small.new_session()
-    small.step_one(st, make_mel(12, 2), finalize=True)
+    small.decode_one(st, make_mel(12, 2), finalize=True)
     with pytest.raises(InvalidInput, match="finalized") as info:
-        small.step_one(st, make_mel(3, 3), False)
+        small.decode_one(st, make_mel(3, 3), False)
     assert info.value.field == "session"
     st = small.new_session()
-    small.step_one(st, make_mel(20, 4), False)
+    small.decode_one(st, make_mel(20, 4), False)
     st.num_frames = MAX_FRAMES - 5  # as if 300 s had been streamed (checked before any compute)
     with pytest.raises(InvalidInput, match="300 s") as info:
-        small.step_one(st, make_mel(6, 5), False)
+        small.decode_one(st, make_mel(6, 5), False)
     assert info.value.field == "mel"
     with pytest.raises(InvalidInput, match="300 s"):
         small.decode(torch.zeros(MEL_BINS, MAX_FRAMES + 1), finalize=True)
@@ -605,7 +581,7 @@ def test_synthetic_upstream_checkpoint_full_preset_loads_strictly(tmp_path, conv
         assert torch.equal(loaded[key].to(state[key].dtype), state[key])
     assert model.f0_predictor.classifier.weight.dtype == torch.float64
     y = model.decode(torch.randn(MEL_BINS, 12, generator=g) - 5, finalize=True)
-    assert y.shape == (12 * HOP_SAMPLES,) and bool(torch.isfinite(y).all())
+    assert y.shape == (12 * SAMPLES_PER_FRAME,) and bool(torch.isfinite(y).all())
 
 
 def test_checkpoint_errors(small, tmp_path):

@@ -18,23 +18,23 @@ from _stack import until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
+from token2wav import SAMPLES_PER_FRAME
 from token2wav.server import ServerOptions
 from token2wav.service import start
 from token2wav.tensors import decode, encode
 from token2wav.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
 from vocoder_service.batcher import Batcher
-from vocoder_service.chunks import Chunk
+from vocoder_service.chunks import MelChunk
 from vocoder_service.config import BatcherConfig, SessionConfig, VocoderServiceConfig
 from vocoder_service.export import RetryEntry, SessionSnapshot, pack_session, unpack_session
 from vocoder_service.manager import SessionManager
 from vocoder_service.model import (
     HOLDBACK_FRAMES,
-    HOP_SAMPLES,
     HiFTSessionState,
     InvalidInput,
     load_hift,
 )
-from vocoder_service.runner import HiFTRunner, StepOutput
+from vocoder_service.runner import BatchOutput, HiFTRunner
 from vocoder_service.service import VocoderService
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,10 +145,10 @@ async def test_in_order_session_equals_full_history_decode(serve, model):
     # Holdback: 8 frames stay back until finalize flushes them (docs/REFERENCE.md §5.5).
     lengths = [audio(m).shape[0] for m in answers]
     emitted = np.cumsum(sizes[:-1]) - HOLDBACK_FRAMES
-    assert lengths[:-1] == list(np.diff([0, *emitted]) * HOP_SAMPLES)
+    assert lengths[:-1] == list(np.diff([0, *emitted]) * SAMPLES_PER_FRAME)
     assert all(m.timing.batch_size >= 1 and m.timing.compute_ms > 0 for m in answers)
     got, ref = stitch(answers), reference(model, mel)
-    assert got.shape == ref.shape == (140 * HOP_SAMPLES,)
+    assert got.shape == ref.shape == (140 * SAMPLES_PER_FRAME,)
     assert np.abs(got - ref).max() <= 1e-3  # invariant 3
 
 
@@ -392,7 +392,7 @@ async def test_sessions_do_not_move_between_phase_modes(serve):
     st = HiFTSessionState.from_bytes(snap.state)
     assert st.fingerprint.endswith("phase-exact")
     with pytest.raises(InvalidInput, match="another model"):
-        b.server.service.model.check_chunk(st, torch.zeros(80, 10), False)
+        b.server.service.model.check_mel_chunk(st, torch.zeros(80, 10), False)
 
 
 @pytest.mark.parametrize("max_batch", [1, 32], ids=["steps-of-one", "batched-steps"])
@@ -409,7 +409,10 @@ async def test_32_interleaved_shuffled_sessions_equal_serial_runs(serve, model, 
     serial = {}
     for rid, parts in sessions.items():
         st = model.new_session()
-        outs = [model.step([st], [torch.from_numpy(p)], [k == 2])[0] for k, p in enumerate(parts)]
+        outs = [
+            model.decode_batch([st], [torch.from_numpy(p)], [k == 2])[0]
+            for k, p in enumerate(parts)
+        ]
         serial[rid] = torch.cat(outs).numpy()
     # Interleaved on one multiplexed stream, each session's chunks shuffled within its window.
     msgs = []
@@ -492,7 +495,7 @@ async def test_bad_input_names_the_field_and_leaves_other_sessions_alone(serve, 
     # No session was opened by any bad chunk; a flush-only finalize (no mel) is valid.
     assert c.manager.stats()["num_active"] == 0
     flush = await c.run([chunk("flush", 0, make_mel(23, 12)), chunk("flush", 1, None, True)])
-    assert flush[-1].is_final and audio(flush[-1]).size == HOLDBACK_FRAMES * HOP_SAMPLES
+    assert flush[-1].is_final and audio(flush[-1]).size == HOLDBACK_FRAMES * SAMPLES_PER_FRAME
 
 
 async def test_bad_control_requests_name_the_field(serve):
@@ -573,12 +576,12 @@ class FakeRunner:
         self.batches.append([float(m[0, 0]) for m in mels])
         audio = []
         for st, m in zip(states, mels):
-            n = m.shape[1] * HOP_SAMPLES
+            n = m.shape[1] * SAMPLES_PER_FRAME
             st.num_samples_emitted += n
             audio.append(np.full(n, m[0, 0], np.float32))
         if self.drop_last_slot:
             audio = audio[:-1]
-        return StepOutput(audio, [None] * len(audio), [False] * len(audio), compute_ms=1.0)
+        return BatchOutput(audio, [None] * len(audio), [False] * len(audio), compute_ms=1.0)
 
 
 def _fake_manager(**kw):
@@ -592,11 +595,11 @@ def _tag(value: float, frames: int = 2) -> np.ndarray:
 async def test_batcher_takes_one_chunk_per_session_per_step():
     manager, runner = _fake_manager(), FakeRunner()
     batcher = Batcher(manager, runner, BatcherConfig(max_batch_sessions=2, max_wait_ms=0))
-    futs = [manager.submit(Chunk("A", seq, _tag(10 + seq), False)) for seq in range(3)]
-    futs += [manager.submit(Chunk("B", 0, _tag(20), False))]
-    futs += [manager.submit(Chunk("C", 0, _tag(30), False))]
+    futs = [manager.submit(MelChunk("A", seq, _tag(10 + seq), False)) for seq in range(3)]
+    futs += [manager.submit(MelChunk("B", 0, _tag(20), False))]
+    futs += [manager.submit(MelChunk("C", 0, _tag(30), False))]
     while manager.num_ready:
-        await batcher.run_step()
+        await batcher.run_batch()
     # Oldest first, at most 2 sessions, never two chunks of one session in a step.
     assert runner.batches == [[10, 20], [30, 11], [12]]
     results = [f.result() for f in futs]
@@ -609,13 +612,13 @@ async def test_batcher_takes_one_chunk_per_session_per_step():
 async def test_missing_slot_fails_the_step_loudly():
     manager = _fake_manager()
     batcher = Batcher(manager, FakeRunner(drop_last_slot=True), BatcherConfig(max_wait_ms=0))
-    futs = [manager.submit(Chunk(rid, 0, _tag(v), False)) for rid, v in (("A", 1), ("B", 2))]
-    await batcher.run_step()
+    futs = [manager.submit(MelChunk(rid, 0, _tag(v), False)) for rid, v in (("A", 1), ("B", 2))]
+    await batcher.run_batch()
     for fut in futs:  # neither slot may take the other's audio
         assert isinstance(fut.exception(), RuntimeError)
     assert manager.stats()["num_active"] == 0  # both sessions failed, as tombstones
     with pytest.raises(Exception, match="failed earlier"):
-        manager.submit(Chunk("A", 1, _tag(1), False))
+        manager.submit(MelChunk("A", 1, _tag(1), False))
     batcher.close()
 
 
@@ -634,7 +637,7 @@ def test_runner_rejects_a_bad_row_and_runs_the_others(model):
 
 def test_export_envelope_round_trips_and_rejects_damage(model):
     st = model.new_session()
-    model.step([st], [torch.from_numpy(make_mel(42, 12))], [False])
+    model.decode_batch([st], [torch.from_numpy(make_mel(42, 12))], [False])
     entry = RetryEntry(0, bytes(range(16)), 0, False, np.arange(1920, dtype=np.float32))
     snap = SessionSnapshot("small", 1, 12, st.num_samples_emitted, st.to_bytes(), [entry])
     blob = pack_session(snap)
@@ -727,7 +730,7 @@ def test_python_m_vocoder_service_serves_and_drains():
             assert status == health_pb2.HealthCheckResponse.SERVING
             stub = vocoder_pb2_grpc.VocoderStub(ch)
             answers = list(stub.Session(iter(chunks_of("proc", [make_mel(50, 20)])), timeout=30))
-            assert answers[0].is_final and audio(answers[0]).size == 20 * HOP_SAMPLES
+            assert answers[0].is_final and audio(answers[0]).size == 20 * SAMPLES_PER_FRAME
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
@@ -738,12 +741,12 @@ def test_python_m_vocoder_service_serves_and_drains():
 def test_digest_of_received_bytes_equals_digest_of_decoded_mel():
     """The servicer hashes the bytes it received; a chunk built from an array (tests, import)
     must get the same digest, or a retry would look like a different chunk."""
-    from vocoder_service.chunks import chunk_digest, mel_digest
-    from vocoder_service.servicer import chunk_from_proto
+    from vocoder_service.chunks import mel_chunk_digest, mel_digest
+    from vocoder_service.servicer import mel_chunk_from_proto
 
     mel = np.random.default_rng(3).standard_normal((80, 7)).astype(np.float32)
     wire = encode(mel)
-    assert mel_digest(7, wire.data, False) == chunk_digest(mel, False)
-    assert mel_digest(7, wire.data, True) != chunk_digest(mel, False)
+    assert mel_digest(7, wire.data, False) == mel_chunk_digest(mel, False)
+    assert mel_digest(7, wire.data, True) != mel_chunk_digest(mel, False)
     msg = vocoder_pb2.VocoderChunk(request_id="r", seq=0, mel=wire)
-    assert chunk_from_proto(msg, SessionConfig(), 10).digest == chunk_digest(mel, False)
+    assert mel_chunk_from_proto(msg, SessionConfig(), 10).digest == mel_chunk_digest(mel, False)

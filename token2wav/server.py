@@ -180,6 +180,11 @@ async def _checked_stream(requests, method: str):
         yield _checked(request, method)
 
 
+def _count_ok(method: str, start: float) -> None:
+    RPC_CALLS.labels(method, "OK").inc()
+    RPC_SECONDS.labels(method).observe(time.perf_counter() - start)
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """The single place where exceptions become status codes (and call metrics are counted)."""
 
@@ -189,41 +194,31 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return handler
         method = details.method
 
-        def wrap_unary(behavior, streaming_request: bool):
+        def wrap_unary(behavior, check):
             async def call(request, context):
                 start = time.perf_counter()
                 try:
-                    if streaming_request:
-                        request = _checked_stream(request, method)
-                    else:
-                        request = _checked(request, method)
-                    result = await behavior(request, context)
+                    result = await behavior(check(request, method), context)
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - mapped or logged in _fail
                     await _fail(context, method, exc)
-                RPC_CALLS.labels(method, "OK").inc()
-                RPC_SECONDS.labels(method).observe(time.perf_counter() - start)
+                _count_ok(method, start)
                 return result
 
             return call
 
-        def wrap_stream(behavior, streaming_request: bool):
+        def wrap_stream(behavior, check):
             async def call(request, context):
                 start = time.perf_counter()
                 try:
-                    if streaming_request:
-                        request = _checked_stream(request, method)
-                    else:
-                        request = _checked(request, method)
-                    async for item in behavior(request, context):
+                    async for item in behavior(check(request, method), context):
                         yield item
                 except (grpc.aio.AbortError, asyncio.CancelledError):
                     raise
                 except Exception as exc:  # noqa: BLE001
                     await _fail(context, method, exc)
-                RPC_CALLS.labels(method, "OK").inc()
-                RPC_SECONDS.labels(method).observe(time.perf_counter() - start)
+                _count_ok(method, start)
 
             return call
 
@@ -232,16 +227,20 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             response_serializer=handler.response_serializer,
         )
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary, False), **kw)
+            return grpc.unary_unary_rpc_method_handler(
+                wrap_unary(handler.unary_unary, _checked), **kw
+            )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                wrap_unary(handler.stream_unary, True), **kw
+                wrap_unary(handler.stream_unary, _checked_stream), **kw
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                wrap_stream(handler.unary_stream, False), **kw
+                wrap_stream(handler.unary_stream, _checked), **kw
             )
-        return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream, True), **kw)
+        return grpc.stream_stream_rpc_method_handler(
+            wrap_stream(handler.stream_stream, _checked_stream), **kw
+        )
 
 
 class GrpcServer:

@@ -1,4 +1,4 @@
-"""The batcher: decides what runs. Each step takes at most one ready chunk per session (a session's
+"""The batcher: decides what runs. Each batch takes at most one ready chunk per session (a session's
 chunks depend on each other through its state), oldest first, and advances them all in one
 model call in the worker thread; results go back to the manager by slot.
 
@@ -14,17 +14,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from vocoder_service import metrics
-from vocoder_service.chunks import Chunk
+from vocoder_service.chunks import MelChunk
 from vocoder_service.config import BatcherConfig
 from vocoder_service.manager import SessionManager
-from vocoder_service.runner import HiFTRunner, StepOutput
+from vocoder_service.runner import BatchOutput, HiFTRunner
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class StepPlan:
-    chunks: list[Chunk]  # [num_slots] one per session; slot i of the step is chunks[i]
+class BatchPlan:
+    chunks: list[MelChunk]  # [num_slots] one per session; slot i of the batch is chunks[i]
     started_at: float  # manager clock, for queue time
 
     @property
@@ -37,21 +37,21 @@ class Batcher:
         self.manager = manager
         self.runner = runner
         self.config = config
-        # One worker: steps run one after another (each advances states the next may read),
+        # One worker: batches run one after another (each advances states the next may read),
         # while the event loop keeps admitting chunks and answering duplicates.
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="hift-step")
-        self.num_steps = 0
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="hift-batch")
+        self.num_batches = 0
 
-    def schedule(self) -> StepPlan | None:
+    def schedule(self) -> BatchPlan | None:
         chunks = self.manager.take_ready(self.config.max_batch_sessions)
-        return StepPlan(chunks, self.manager.clock()) if chunks else None
+        return BatchPlan(chunks, self.manager.clock()) if chunks else None
 
-    def update(self, plan: StepPlan, out: StepOutput) -> None:
+    def update(self, plan: BatchPlan, out: BatchOutput) -> None:
         n = plan.num_slots
         if not (len(out.audio) == len(out.errors) == len(out.fatal) == n):
             # Never guess which answer belongs to whom: fail every slot (invariant 5).
-            exc = RuntimeError(f"step output has {len(out.audio)} slots, the plan {n}")
-            out = StepOutput([None] * n, [exc] * n, [True] * n)
+            exc = RuntimeError(f"batch output has {len(out.audio)} slots, the plan {n}")
+            out = BatchOutput([None] * n, [exc] * n, [True] * n)
         for i, chunk in enumerate(plan.chunks):
             if out.errors[i] is None:
                 samples = out.state_samples[i] if i < len(out.state_samples) else None
@@ -65,13 +65,13 @@ class Batcher:
                 )
             else:
                 self.manager.reject(chunk, out.errors[i], fatal=out.fatal[i])
-        self.num_steps += 1
+        self.num_batches += 1
         metrics.BATCH_SESSIONS.observe(n)
         metrics.STEP_SECONDS.observe(out.compute_ms / 1e3)
 
     async def _wait_for_batch(self) -> None:
         """Until something is ready; then, unless the batch is already full, until the oldest
-        ready chunk has waited `max_wait_ms`, so sessions arriving together share a step."""
+        ready chunk has waited `max_wait_ms`, so sessions arriving together share a batch."""
         await self.manager.wait_ready()
         if self.config.max_wait_ms <= 0:
             return
@@ -82,7 +82,7 @@ class Batcher:
         if remaining > 0:
             await asyncio.sleep(remaining)
 
-    async def run_step(self) -> StepPlan | None:
+    async def run_batch(self) -> BatchPlan | None:
         plan = self.schedule()
         if plan is None:
             return None
@@ -95,16 +95,16 @@ class Batcher:
                 self.executor, self.runner.execute, states, mels, finalize
             )
         except Exception as exc:  # noqa: BLE001 - the runner catches model errors; this is a bug
-            logger.exception("step runner crashed")
+            logger.exception("batch runner crashed")
             n = plan.num_slots
-            out = StepOutput([None] * n, [exc] * n, [True] * n)
+            out = BatchOutput([None] * n, [exc] * n, [True] * n)
         self.update(plan, out)
         return plan
 
     async def run(self) -> None:
         while True:
             await self._wait_for_batch()
-            await self.run_step()
+            await self.run_batch()
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)

@@ -1,6 +1,6 @@
 """The plain objects that flow between servicer, session manager, batcher and runner.
 
-A `Chunk` is one validated VocoderChunk; a `ChunkAudio` is the answer to it. Neither knows gRPC
+A `MelChunk` is one validated VocoderChunk; an `AudioChunk` is the answer to it. Neither knows gRPC
 or torch; mel and audio are numpy arrays (the runner moves them to the device).
 """
 
@@ -16,14 +16,14 @@ from typing import Any
 import numpy as np
 
 
-def chunk_digest(mel: np.ndarray, finalize: bool) -> bytes:
+def mel_chunk_digest(mel: np.ndarray, finalize: bool) -> bytes:
     """What makes two chunks under one seq "the same": frames, values and the finalize flag."""
     data = np.ascontiguousarray(mel, dtype="<f4").tobytes()
     return mel_digest(int(mel.shape[1]), data, finalize)
 
 
 def mel_digest(num_frames: int, data: bytes, finalize: bool) -> bytes:
-    """`chunk_digest` of a mel given as its little-endian float32 bytes (as on the wire)."""
+    """`mel_chunk_digest` of a mel given as its little-endian float32 bytes (as on the wire)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{num_frames}:{int(finalize)}:".encode())
     h.update(data)
@@ -31,7 +31,7 @@ def mel_digest(num_frames: int, data: bytes, finalize: bool) -> bytes:
 
 
 @dataclass(eq=False)
-class Chunk:
+class MelChunk:
     """One chunk of mel for one session, on its way to being applied."""
 
     request_id: str
@@ -41,13 +41,13 @@ class Chunk:
     digest: bytes = b""
     arrival: float = field(default_factory=time.monotonic)
     ready_at: float = 0.0  # when it became the next applicable chunk of its session
-    future: asyncio.Future | None = None  # -> ChunkAudio; shared by duplicates of this seq
+    future: asyncio.Future | None = None  # -> AudioChunk; shared by duplicates of this seq
     session: Any = None  # the sessions.Session it was admitted to (no import: no circle)
     due: float = math.inf  # playback deadline on the manager's clock (from slack_ms); inf: none
 
     def __post_init__(self):
         if not self.digest:
-            self.digest = chunk_digest(self.mel, self.finalize)
+            self.digest = mel_chunk_digest(self.mel, self.finalize)
 
     @property
     def num_frames(self) -> int:
@@ -59,7 +59,7 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class ChunkAudio:
+class AudioChunk:
     """The answer to one chunk: samples [sample_offset, sample_offset + len(audio))."""
 
     request_id: str

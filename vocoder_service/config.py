@@ -57,10 +57,10 @@ class SessionConfig:
 
 @dataclass(frozen=True)
 class BatcherConfig:
-    """How chunks of different sessions are grouped into one model step (`Batcher`)."""
+    """How chunks of different sessions are grouped into one vocoder batch (`Batcher`)."""
 
-    max_batch_sessions: int = 64  # sessions per step; 1 turns batching off (same code path)
-    # A step waits at most this long after its oldest chunk became ready for more sessions to
+    max_batch_sessions: int = 64  # sessions per batch; 1 turns batching off (same code path)
+    # A batch waits at most this long after its oldest chunk became ready for more sessions to
     # join. Small: chunks of one stream come 1-4 s apart, so waiting longer buys no batch.
     max_wait_ms: float = 2.0
 
@@ -129,9 +129,9 @@ def build_parser() -> EnvParser:
         "--max-batch-sessions",
         type=int,
         default=b.max_batch_sessions,
-        help="sessions per HiFT step; 1 turns batching across sessions off",
+        help="sessions per vocoder batch (one HiFT call); 1 turns batching across sessions off",
     )
-    p.flag("--max-wait-ms", type=float, default=b.max_wait_ms, help="wait for a fuller step")
+    p.flag("--max-wait-ms", type=float, default=b.max_wait_ms, help="wait for a fuller batch")
     p.flag(
         "--control-clients",
         default="",

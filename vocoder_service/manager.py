@@ -45,7 +45,7 @@ from token2wav.errors import (
     check_request_id,
 )
 from vocoder_service import metrics
-from vocoder_service.chunks import Chunk, ChunkAudio
+from vocoder_service.chunks import AudioChunk, MelChunk
 from vocoder_service.config import SessionConfig
 from vocoder_service.export import RetryEntry, SessionSnapshot
 from vocoder_service.sessions import Session, SessionStatus
@@ -90,8 +90,8 @@ class SessionManager:
 
     # -- admission -----------------------------------------------------------------------------
 
-    def submit(self, chunk: Chunk) -> asyncio.Future:
-        """Admit one validated chunk; returns the future of its ChunkAudio, or raises."""
+    def submit(self, chunk: MelChunk) -> asyncio.Future:
+        """Admit one validated chunk; returns the future of its AudioChunk, or raises."""
         cfg, now, rid, seq = self.config, self.clock(), chunk.request_id, chunk.seq
         s = self._active.get(rid) or self._closed.get(rid)
         if s is None:
@@ -153,7 +153,7 @@ class SessionManager:
         if s is not None:
             s.last_active = max(s.last_active, self.clock())
 
-    def _duplicate(self, s: Session, chunk: Chunk) -> asyncio.Future:
+    def _duplicate(self, s: Session, chunk: MelChunk) -> asyncio.Future:
         entry = s.applied.get(chunk.seq)
         if entry is None:
             raise Aborted(
@@ -216,12 +216,12 @@ class SessionManager:
             self._ready_event.clear()
             await self._ready_event.wait()
 
-    def take_ready(self, max_num: int) -> list[Chunk]:
+    def take_ready(self, max_num: int) -> list[MelChunk]:
         """Up to `max_num` runnable chunks, at most one per session, least slack (earliest
         playback deadline) first, then oldest first (chunks without a deadline come last, in
         arrival order, as before deadlines); each one's session is marked in flight until
         `complete` or `reject`."""
-        taken: list[Chunk] = []
+        taken: list[MelChunk] = []
         now = self.clock()
         order = list(self._ready.values())
         if any(s.pending[s.next_seq].due < math.inf for s in order):
@@ -254,7 +254,7 @@ class SessionManager:
 
     def complete(
         self,
-        chunk: Chunk,
+        chunk: MelChunk,
         audio: np.ndarray,
         *,
         compute_ms: float,
@@ -282,7 +282,7 @@ class SessionManager:
                 ),
             )
             return
-        result = ChunkAudio(
+        result = AudioChunk(
             s.request_id,
             chunk.seq,
             s.num_samples,
@@ -312,8 +312,8 @@ class SessionManager:
         else:
             self._refresh(s, now)
 
-    def reject(self, chunk: Chunk, exc: BaseException, *, fatal: bool) -> None:
-        """The step could not apply `chunk`. A bad input (fatal=False) leaves the state as it was
+    def reject(self, chunk: MelChunk, exc: BaseException, *, fatal: bool) -> None:
+        """The batch could not apply `chunk`. A bad input (fatal=False) leaves the state as it was
         and the seq open; anything else (fatal=True) may have left the state half-advanced, so
         the session fails."""
         s, now = chunk.session, self.clock()
@@ -328,7 +328,7 @@ class SessionManager:
         else:
             self._reject(s, chunk, exc, now)
 
-    def _reject(self, s: Session, chunk: Chunk, exc: BaseException, now: float) -> None:
+    def _reject(self, s: Session, chunk: MelChunk, exc: BaseException, now: float) -> None:
         if s.final_seq == chunk.seq:
             s.final_seq = None
         metrics.CHUNKS.labels("rejected").inc()
@@ -518,5 +518,5 @@ class SessionManager:
         for e in snap.applied:
             audio = None
             if e.audio is not None:
-                audio = ChunkAudio(request_id, e.seq, e.sample_offset, e.audio, e.is_final)
+                audio = AudioChunk(request_id, e.seq, e.sample_offset, e.audio, e.is_final)
             s.remember(e.seq, e.digest, audio, self.config)

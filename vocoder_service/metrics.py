@@ -25,17 +25,17 @@ CHUNK_LATENCY = Histogram(
 )
 QUEUE_SECONDS = Histogram(
     "t2w_vocoder_queue_seconds",
-    "From a chunk becoming applicable (its turn in seq order) to its step starting",
+    "From a chunk becoming applicable (its turn in seq order) to its batch starting",
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
 )
 STEP_SECONDS = Histogram(
     "t2w_vocoder_step_seconds",
-    "Model time of one batched HiFT step (device synchronised)",
+    "Model time of one vocoder batch, one batched HiFT call (device synchronised)",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
 BATCH_SESSIONS = Histogram(
     "t2w_vocoder_batch_sessions",
-    "Sessions advanced by one step",
+    "Sessions advanced by one vocoder batch",
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
 STATE_BYTES = Gauge(

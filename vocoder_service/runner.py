@@ -1,9 +1,9 @@
-"""The runner: owns the model and the device, runs one batched HiFT step in the worker thread.
+"""The runner: owns the model and the device, runs one vocoder batch (one batched HiFT call) in the worker thread.
 
 It sees slots (a list of states and mels), never sessions or request ids. Results come back
-by slot; a model that answers a different number of slots fails the whole step (invariant 5).
+by slot; a model that answers a different number of slots fails the whole batch (invariant 5).
 A bad input in one slot (a ValueError with `.field`, raised before any state changes) does not
-sink the others: the step is re-run slot by slot, so only the offending chunk is rejected.
+sink the others: the batch is re-run slot by slot, so only the offending chunk is rejected.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ def is_input_error(exc: BaseException) -> bool:
 
 
 @dataclass
-class StepOutput:
-    """What one step produced, slot by slot."""
+class BatchOutput:
+    """What one batch produced, slot by slot."""
 
     audio: list[np.ndarray | None]  # [num_slots] (S_i,) float32; None where the slot failed
     errors: list[BaseException | None]  # [num_slots]
     fatal: list[bool]  # [num_slots] True: the slot's state may be half-advanced
-    state_samples: list[int | None] = field(default_factory=list)  # [num_slots] after the step
+    state_samples: list[int | None] = field(default_factory=list)  # [num_slots] after the batch
     compute_ms: float = 0.0
 
 
@@ -43,7 +43,7 @@ class HiFTRunner:
     """`execute(states, mels, finalize)` advances one chunk per slot in one model call."""
 
     def __init__(self, model: Any, device: str | torch.device = "cpu"):
-        self.model = model  # loaded in its compute dtype; it casts each step's mel itself
+        self.model = model  # loaded in its compute dtype; it casts each batch's mel itself
         self.device = torch.device(device)
         # A dedicated stream keeps the worker thread's kernels off the default stream, so
         # anything else on the device (another model in the process) does not serialise with it.
@@ -52,14 +52,14 @@ class HiFTRunner:
     def new_state(self) -> Any:
         return self.model.new_session()
 
-    def _step(self, states: list, mels: list[np.ndarray], finalize: list[bool]) -> list:
-        # CPU float32 in: the model keeps its mel history on the host and moves each step's
-        # batch to the device itself (one copy per step rather than one per chunk).
-        return self.model.step(states, [torch.from_numpy(m) for m in mels], finalize)
+    def _run_batch(self, states: list, mels: list[np.ndarray], finalize: list[bool]) -> list:
+        # CPU float32 in: the model keeps its mel history on the host and moves each
+        # batch to the device itself (one copy per batch rather than one per chunk).
+        return self.model.decode_batch(states, [torch.from_numpy(m) for m in mels], finalize)
 
-    def execute(self, states: list, mels: list[np.ndarray], finalize: list[bool]) -> StepOutput:
+    def execute(self, states: list, mels: list[np.ndarray], finalize: list[bool]) -> BatchOutput:
         n = len(states)
-        out = StepOutput([None] * n, [None] * n, [False] * n)
+        out = BatchOutput([None] * n, [None] * n, [False] * n)
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
         start = time.perf_counter()
         with torch.inference_mode(), ctx:
@@ -70,23 +70,25 @@ class HiFTRunner:
         out.state_samples = [getattr(s, "num_samples_emitted", None) for s in states]
         return out
 
-    def _run_slots(self, slots: list[int], states, mels, finalize, out: StepOutput) -> None:
+    def _run_slots(self, slots: list[int], states, mels, finalize, out: BatchOutput) -> None:
         """Run `slots` as one batch; a bad row is taken out (the model validates every row before
         any state changes) and the rest re-run, so one bad chunk never fails the others."""
         while slots:
             try:
-                audio = self._step(
+                audio = self._run_batch(
                     [states[i] for i in slots],
                     [mels[i] for i in slots],
                     [finalize[i] for i in slots],
                 )
                 if len(audio) != len(slots):
-                    raise RuntimeError(f"model.step answered {len(audio)} slots for {len(slots)}")
+                    raise RuntimeError(
+                        f"model.decode_batch answered {len(audio)} slots for {len(slots)}"
+                    )
                 for i, a in zip(slots, audio):
                     out.audio[i] = _to_numpy(a)
                 return
             except Exception as exc:  # noqa: BLE001 - sorted into input errors and failures
-                bad = getattr(exc, "slot", None)  # the culprit's index in this step's list
+                bad = getattr(exc, "slot", None)  # the culprit's index in this batch's list
                 if is_input_error(exc) and isinstance(bad, int) and 0 <= bad < len(slots):
                     i = slots.pop(bad)
                     out.errors[i], out.fatal[i] = _client_error(exc)
@@ -96,18 +98,18 @@ class HiFTRunner:
                         self._run_slots([i], states, mels, finalize, out)
                     return
                 if not is_input_error(exc):
-                    logger.error("HiFT step of %d slots failed: %r", len(slots), exc)
+                    logger.error("HiFT batch of %d slots failed: %r", len(slots), exc)
                 for i in slots:
                     out.errors[i], out.fatal[i] = _client_error(exc)
                 return
 
     def warmup(self, num_frames: int = 24) -> float:
-        """One dummy step (kernels, allocator, lazy init); returns its time in ms."""
+        """One dummy batch (kernels, allocator, lazy init); returns its time in ms."""
         state = self.new_state()
         mel = np.zeros((MEL_BINS, num_frames), dtype=np.float32)
         out = self.execute([state], [mel], [True])
         if out.errors[0] is not None:
-            raise RuntimeError(f"warm-up step failed: {out.errors[0]!r}")
+            raise RuntimeError(f"warm-up batch failed: {out.errors[0]!r}")
         return out.compute_ms
 
 

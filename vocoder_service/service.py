@@ -7,6 +7,7 @@ import asyncio
 import logging
 from typing import Any
 
+from token2wav import SAMPLES_PER_FRAME
 from token2wav.cli import check_device
 from token2wav.dtypes import DTYPES
 from token2wav.service import Service
@@ -51,7 +52,7 @@ class VocoderService(Service):
 
     def __init__(self, config: VocoderServiceConfig, model: Any | None = None):
         """`model` overrides loading (tests, benchmarks)."""
-        from vocoder_service.model import HOP_SAMPLES, MAX_SAMPLES, HiFTSessionState
+        from vocoder_service.model import MAX_SAMPLES, HiFTSessionState
 
         super().__init__(config)
         self.model = model if model is not None else load_model(config.model)
@@ -63,7 +64,7 @@ class VocoderService(Service):
             # Exported state carries this model's f0, phase and mel tail: it may only continue
             # on the same architecture and phase mode (the state's fingerprint checks both too).
             model_tag=model_tag(config.model, self.model),
-            max_session_frames=MAX_SAMPLES // HOP_SAMPLES,
+            max_session_frames=MAX_SAMPLES // SAMPLES_PER_FRAME,
         )
         self.batcher = Batcher(self.manager, self.runner, config.batcher)
         self.servicer = VocoderServicer(self.manager)
@@ -79,7 +80,7 @@ class VocoderService(Service):
     async def warmup(self) -> None:
         loop = asyncio.get_running_loop()
         ms = await loop.run_in_executor(self.batcher.executor, self.runner.warmup)
-        logger.info("HiFT warm-up step %.1f ms", ms)
+        logger.info("HiFT warm-up batch %.1f ms", ms)
 
     def start(self) -> None:
         if not self._tasks:
@@ -93,4 +94,4 @@ class VocoderService(Service):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        await asyncio.to_thread(self.batcher.close)  # lets a running step finish
+        await asyncio.to_thread(self.batcher.close)  # lets a running batch finish

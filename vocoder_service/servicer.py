@@ -24,7 +24,7 @@ from token2wav.errors import InvalidArgument, check_request_id
 from token2wav.server import request_id_var
 from token2wav.tensors import decode, encode
 from token2wav.v1 import common_pb2, vocoder_pb2, vocoder_pb2_grpc
-from vocoder_service.chunks import Chunk, ChunkAudio, mel_digest
+from vocoder_service.chunks import AudioChunk, MelChunk, mel_digest
 from vocoder_service.config import MEL_FRAME_BYTES, SessionConfig
 from vocoder_service.export import pack_session, unpack_session
 from vocoder_service.manager import SessionManager
@@ -34,7 +34,9 @@ logger = logging.getLogger(__name__)
 _END = object()  # the reader saw the client's half-close
 
 
-def chunk_from_proto(msg: vocoder_pb2.VocoderChunk, cfg: SessionConfig, max_seq: int) -> Chunk:
+def mel_chunk_from_proto(
+    msg: vocoder_pb2.VocoderChunk, cfg: SessionConfig, max_seq: int
+) -> MelChunk:
     """Validate every field of one VocoderChunk; InvalidArgument names the first bad one."""
     request_id = check_request_id(msg.request_id)
     if msg.seq > max_seq:
@@ -53,12 +55,12 @@ def chunk_from_proto(msg: vocoder_pb2.VocoderChunk, cfg: SessionConfig, max_seq:
         if mel.shape[1] == 0 and not msg.finalize:
             raise InvalidArgument("mel", "0 frames; only a finalize chunk may be empty")
     finalize = bool(msg.finalize)
-    # the digest of the bytes received: the same as chunk_digest(mel), without re-encoding
+    # the digest of the bytes received: the same as mel_chunk_digest(mel), without re-encoding
     digest = mel_digest(int(mel.shape[1]), msg.mel.data, finalize)
-    return Chunk(request_id, int(msg.seq), mel, finalize, digest)
+    return MelChunk(request_id, int(msg.seq), mel, finalize, digest)
 
 
-def audio_to_proto(out: ChunkAudio) -> vocoder_pb2.VocoderAudio:
+def audio_to_proto(out: AudioChunk) -> vocoder_pb2.VocoderAudio:
     return vocoder_pb2.VocoderAudio(
         request_id=out.request_id,
         seq=out.seq,
@@ -86,7 +88,7 @@ class VocoderServicer(vocoder_pb2_grpc.VocoderServicer):
         async def read() -> None:
             try:
                 async for msg in request_iterator:
-                    chunk = chunk_from_proto(msg, self.manager.config, self.max_seq)
+                    chunk = mel_chunk_from_proto(msg, self.manager.config, self.max_seq)
                     if msg.HasField("slack_ms"):  # relative to the send: starts on arrival
                         chunk.due = self.manager.clock() + msg.slack_ms / 1e3
                     request_id_var.set(chunk.request_id)

@@ -13,14 +13,14 @@ from enum import IntEnum
 from typing import Any
 
 from token2wav.errors import ServiceError
-from vocoder_service.chunks import Chunk, ChunkAudio
+from vocoder_service.chunks import AudioChunk, MelChunk
 from vocoder_service.config import SessionConfig
 
 
 class SessionStatus(IntEnum):
     ACTIVE = 0  # accepting chunks
     FINALIZED = 1  # answered is_final; tombstone
-    FAILED = 2  # gap timeout or broken step; tombstone answering ABORTED
+    FAILED = 2  # gap timeout or broken batch; tombstone answering ABORTED
     CANCELLED = 3  # CancelSession
     EVICTED = 4  # idle timeout
     MOVED = 5  # ExportSession(remove=True)
@@ -28,9 +28,9 @@ class SessionStatus(IntEnum):
 
 
 @dataclass
-class AppliedChunk:
+class AppliedMelChunk:
     digest: bytes
-    audio: ChunkAudio | None  # None once the retry cache's byte cap dropped it
+    audio: AudioChunk | None  # None once the retry cache's byte cap dropped it
 
 
 class Session:
@@ -44,10 +44,10 @@ class Session:
         self.next_seq = next_seq  # lowest seq not yet applied
         self.num_frames = 0  # mel frames applied
         self.num_samples = 0  # samples emitted: the next chunk's sample_offset
-        self.pending: dict[int, Chunk] = {}  # seq -> chunk waiting for its turn
+        self.pending: dict[int, MelChunk] = {}  # seq -> chunk waiting for its turn
         self.pending_bytes = 0
-        self.inflight: Chunk | None = None  # the chunk in the running step (seq == next_seq)
-        self.applied: OrderedDict[int, AppliedChunk] = OrderedDict()  # seq -> recent answer
+        self.inflight: MelChunk | None = None  # the chunk in the running batch (seq == next_seq)
+        self.applied: OrderedDict[int, AppliedMelChunk] = OrderedDict()  # seq -> recent answer
         self.applied_bytes = 0
         self.final_seq: int | None = None  # seq of the finalize chunk, once known
         self.error: ServiceError | None = None  # why it failed
@@ -62,8 +62,8 @@ class Session:
         state_bytes = int(self.state.nbytes) if self.state is not None else 0
         return state_bytes + self.pending_bytes + self.applied_bytes
 
-    def remember(self, seq: int, digest: bytes, audio: ChunkAudio | None, cfg: SessionConfig):
-        self.applied[seq] = AppliedChunk(digest, audio)
+    def remember(self, seq: int, digest: bytes, audio: AudioChunk | None, cfg: SessionConfig):
+        self.applied[seq] = AppliedMelChunk(digest, audio)
         self.applied_bytes += audio.nbytes if audio is not None else 0
         while len(self.applied) > cfg.retry_window:
             _, old = self.applied.popitem(last=False)

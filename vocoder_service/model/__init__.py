@@ -1,16 +1,13 @@
 """Causal HiFT vocoder model (docs/REFERENCE.md §5): full-history decode, bounded incremental sessions batched
 across streams, versioned session export, strict hift.pt loading. No grpc, no session ids."""
 
+from token2wav import MAX_FRAMES, MEL_BINS, SAMPLE_RATE
 from token2wav.invalid import InvalidInput
 from vocoder_service.model.config import (
     HIFT_PRESETS,
     HOLDBACK_FRAMES,
-    HOP_SAMPLES,
-    MAX_FRAMES,
     MAX_SAMPLES,
-    MEL_BINS,
     NOISE_SEED,
-    SAMPLE_RATE,
     HiFTConfig,
     receptive_field_frames,
 )
@@ -23,7 +20,6 @@ from vocoder_service.model.session import STATE_VERSION, HiFTSessionState
 __all__ = [
     "HIFT_PRESETS",
     "HOLDBACK_FRAMES",
-    "HOP_SAMPLES",
     "MAX_FRAMES",
     "MAX_SAMPLES",
     "MEL_BINS",

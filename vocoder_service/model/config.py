@@ -1,8 +1,9 @@
 """Stage-2 vocoder configuration: constants, `HiFTConfig`, presets, receptive field (docs/REFERENCE.md §1.2, §5).
 
-The shared audio constants come from `token2wav` (stated once there) and are re-exported under
-the names the vocoder code uses. `context_frames()` derives the incremental session's window
-from the layer geometry, so a config with other kernels gets a window that still covers them.
+The shared audio constants (`SAMPLE_RATE`, `SAMPLES_PER_FRAME`, `MEL_BINS`, `MAX_FRAMES`) are
+stated once, in `token2wav`, and imported from there. `context_frames()` derives the incremental
+session's window from the layer geometry, so a config with other kernels gets a window that
+still covers them.
 """
 
 from __future__ import annotations
@@ -10,31 +11,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from token2wav import MAX_FRAMES, MEL_BINS, SAMPLE_RATE, SAMPLES_PER_FRAME
+from token2wav import MAX_FRAMES, MEL_BINS, SAMPLES_PER_FRAME
 
-HOP_SAMPLES = SAMPLES_PER_FRAME  # 480 output samples per mel frame (24 kHz / 50 Hz)
-MAX_SAMPLES = MAX_FRAMES * HOP_SAMPLES  # 300 s: the length of the fixed noise buffers
+MAX_SAMPLES = MAX_FRAMES * SAMPLES_PER_FRAME  # 300 s: the length of the fixed noise buffers
 F0_LOOK_RIGHT = 3  # f0 conv0 has kernel 4 and reads 3 frames to the right (docs/REFERENCE.md §5.3)
 CONV_PRE_LOOK_RIGHT = 4  # conv_pre: kernel 5, reads 4 frames to the right (docs/REFERENCE.md §5.2)
 # Without finalize the last 3 + 4 + 1 frames are held back: f0 context, conv_pre context, and
-# one frame of iSTFT overlap-add / source-STFT lookahead (docs/REFERENCE.md §5.5-5.6).
+# one frame of iSTFT overlap-add / source-STFT look-right (docs/REFERENCE.md §5.5-5.6).
 HOLDBACK_FRAMES = F0_LOOK_RIGHT + CONV_PRE_LOOK_RIGHT + 1
 NOISE_SEED = 0  # seed of the fixed source-noise buffers (see noise.py)
-
-__all__ = [
-    "CONV_PRE_LOOK_RIGHT",
-    "F0_LOOK_RIGHT",
-    "HIFT_PRESETS",
-    "HOLDBACK_FRAMES",
-    "HOP_SAMPLES",
-    "MAX_FRAMES",
-    "MAX_SAMPLES",
-    "MEL_BINS",
-    "NOISE_SEED",
-    "SAMPLE_RATE",
-    "HiFTConfig",
-    "receptive_field_frames",
-]
 
 
 @dataclass(frozen=True)
@@ -80,9 +65,9 @@ class HiFTConfig:
             raise ValueError(f"upsample/source-resblock lists must all have {n} entries")
         if len(self.resblock_kernel_sizes) != len(self.resblock_dilations):
             raise ValueError("resblock_kernel_sizes and resblock_dilations differ in length")
-        if math.prod(self.upsample_rates) * self.istft_hop != HOP_SAMPLES:
+        if math.prod(self.upsample_rates) * self.istft_hop != SAMPLES_PER_FRAME:
             raise ValueError(
-                f"prod(upsample_rates) x istft_hop must be {HOP_SAMPLES} samples per mel frame"
+                f"prod(upsample_rates) x istft_hop must be {SAMPLES_PER_FRAME} samples per mel frame"
             )
         if self.istft_n_fft != 4 * self.istft_hop:
             raise ValueError("the iSTFT head assumes n_fft = 4 x hop (75% overlap)")
@@ -105,7 +90,7 @@ class HiFTConfig:
     @property
     def stft_frames_per_frame(self) -> int:
         """Source-STFT frames (= last-stage positions) per mel frame: 120."""
-        return HOP_SAMPLES // self.istft_hop
+        return SAMPLES_PER_FRAME // self.istft_hop
 
     def stage_channels(self, i: int) -> int:
         return self.base_channels // 2 ** (i + 1)
@@ -159,7 +144,7 @@ def receptive_field_frames(cfg: HiFTConfig) -> int:
     ]
 
     def ok(k: int) -> bool:
-        n = HOP_SAMPLES * k  # first output sample of frame k (window starts at frame 0)
+        n = SAMPLES_PER_FRAME * k  # first output sample of frame k (window starts at frame 0)
         p = math.ceil((n + cfg.istft_n_fft // 2 - (cfg.istft_n_fft - 1)) / cfg.istft_hop)
         p -= 6  # conv_post, kernel 7
         for i in reversed(range(n_stages)):

@@ -1,7 +1,7 @@
 """Causal HiFT generator (docs/REFERENCE.md §5) with bounded incremental sessions batched across streams.
 
 `decode(mel, finalize)` has upstream's full-history semantics (`CausalHiFTGenerator.inference`).
-`step(states, mels, finalize)` advances several sessions by one chunk each in one batched pass:
+`decode_batch(states, mels, finalize)` advances several sessions by one chunk each in one batched pass:
 
   1. f0 for the new frames only (float64, 8 frames of mel context, frozen once computed), and
      the per-frame phase, carried across chunks in float64 (layers.SourceModule, both modes);
@@ -13,16 +13,16 @@
      except conv_pre's right context (given as data), the source STFT and the iSTFT (both
      handled per row in spectral.py), so padding never reaches a row's valid outputs.
 
-`decode()` is one such step on a fresh session, so both paths share every line of model math.
+`decode()` is one such batch of one on a fresh session, so both paths share every line of model math.
 
-Dimensions:
-    b  rows (sessions in the step)
+Dimensions (docs/DESIGN.md "Shape letters"):
+    b  rows (sessions in the batch)
     c  mel bins (80), or channels
     t  mel frames in a row's decoder window (t + 4 with conv_pre's right context)
-    n  source-STFT frames = last-stage positions (120 t + 1)
-    f  frames with f0 / phase values in a row's window
+    u  source-STFT frames = last-stage positions (120 t + 1)
+    t_f0  frames with f0 / phase values in a row's window
     l  samples (480 per frame)
-    h  sine components (9)
+    m  sine components (9)
 """
 
 from __future__ import annotations
@@ -33,14 +33,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
+from token2wav import MAX_FRAMES, SAMPLES_PER_FRAME
 from token2wav.invalid import InvalidInput
-from vocoder_service.model.config import (
-    F0_LOOK_RIGHT,
-    HOLDBACK_FRAMES,
-    HOP_SAMPLES,
-    MAX_FRAMES,
-    HiFTConfig,
-)
+from vocoder_service.model.config import F0_LOOK_RIGHT, HOLDBACK_FRAMES, HiFTConfig
 from vocoder_service.model.layers import (
     CausalF0Predictor,
     CausalUpsample,
@@ -51,7 +46,12 @@ from vocoder_service.model.layers import (
     run_causal,
 )
 from vocoder_service.model.noise import sine_noise_on
-from vocoder_service.model.session import ChunkPlan, HiFTSessionState, model_fingerprint, plan_chunk
+from vocoder_service.model.session import (
+    DecodeWindow,
+    HiFTSessionState,
+    decode_window,
+    model_fingerprint,
+)
 from vocoder_service.model.spectral import hann_window, istft_head, source_stft
 
 CONV_POST_KERNEL = 7
@@ -135,7 +135,7 @@ class HiFTGenerator(nn.Module):
     def warmup(self) -> None:
         """Draw and place the noise buffers and run every kernel once (before serving)."""
         mel = torch.zeros(self.cfg.in_channels, 2 * HOLDBACK_FRAMES) - 5
-        self.step_one(self.new_session(), mel, finalize=True)
+        self.decode_one(self.new_session(), mel, finalize=True)
 
     def new_session(self) -> HiFTSessionState:
         return HiFTSessionState(
@@ -151,14 +151,16 @@ class HiFTGenerator(nn.Module):
             mel = mel[0]
         if isinstance(mel, torch.Tensor) and mel.dim() == 2 and mel.shape[-1] == 0:
             raise InvalidInput("mel", "zero frames; decode needs at least 1")
-        return self.step_one(self.new_session(), mel, finalize)
+        return self.decode_one(self.new_session(), mel, finalize)
 
-    def step_one(self, state: HiFTSessionState, mel: torch.Tensor, finalize: bool) -> torch.Tensor:
+    def decode_one(
+        self, state: HiFTSessionState, mel: torch.Tensor, finalize: bool
+    ) -> torch.Tensor:
         """One session, one chunk; errors name `mel`, `finalize` or `session` without index."""
-        self.check_chunk(state, mel, finalize)
-        return self.step([state], [mel], [finalize])[0]
+        self.check_mel_chunk(state, mel, finalize)
+        return self.decode_batch([state], [mel], [finalize])[0]
 
-    def check_chunk(self, state: HiFTSessionState, mel: torch.Tensor, finalize: bool) -> None:
+    def check_mel_chunk(self, state: HiFTSessionState, mel: torch.Tensor, finalize: bool) -> None:
         """Raise InvalidInput (field `mel`, `finalize` or `session`) if this chunk is not valid
         for this session; the state is not touched. A runner can call this per row before
         batching, so one bad request never fails the others."""
@@ -193,12 +195,12 @@ class HiFTGenerator(nn.Module):
         bad = ~torch.isfinite(mel).all(dim=0)
         if bool(bad.any()):
             raise InvalidInput("mel", f"NaN or Inf at frame {int(bad.nonzero()[0, 0])}")
-        plan = plan_chunk(state, n, finalize, self.cfg)  # an imported state must cover it
+        plan = decode_window(state, n, finalize, self.cfg)  # an imported state must cover it
         if state.mel_start > min(plan.window, plan.f0_mel[0]) or state.f0_start > plan.window:
             raise InvalidInput("session", "state holds too little history for this model")
 
     @torch.no_grad()
-    def step(
+    def decode_batch(
         self,
         states: list[HiFTSessionState],
         mels: list[torch.Tensor],
@@ -211,7 +213,7 @@ class HiFTGenerator(nn.Module):
         states in place. Chunks may be ragged; a chunk without finalize returns nothing until
         more than 8 frames are in. Every row is validated before anything runs: a bad row raises
         InvalidInput with field `mels[i]`, `finalize[i]` or `states[i]` and `row = i`, and no
-        state changes. Output rows equal solo steps up to kernel rounding (~1e-7 in fp32:
+        state changes. Output rows equal batches of one up to kernel rounding (~1e-7 in fp32:
         oneDNN/cuDNN pick kernels by shape), never another row's data.
         """
         if not (len(states) == len(mels) == len(finalize)):
@@ -224,12 +226,13 @@ class HiFTGenerator(nn.Module):
                 raise InvalidInput(f"states[{i}]", f"same session as row {seen[id(st)]}", i)
             seen[id(st)] = i
             try:
-                self.check_chunk(st, mel, fin)
+                self.check_mel_chunk(st, mel, fin)
             except InvalidInput as exc:
                 name = {"mel": "mels", "finalize": "finalize"}.get(exc.field, "states")
                 raise InvalidInput(f"{name}[{i}]", exc.problem, i) from None
         plans = [
-            plan_chunk(st, m.shape[1], fin, self.cfg) for st, m, fin in zip(states, mels, finalize)
+            decode_window(st, m.shape[1], fin, self.cfg)
+            for st, m, fin in zip(states, mels, finalize)
         ]
         mel_rows = [  # (c, frames [mel_start, total))
             torch.cat([st.mel, m.detach().to("cpu", torch.float32)], dim=1)
@@ -245,7 +248,7 @@ class HiFTGenerator(nn.Module):
 
     # -- f0 and phase ---------------------------------------------------------------------------
 
-    def _advance_f0(self, states, plans: list[ChunkPlan], mel_rows):
+    def _advance_f0(self, states, plans: list[DecodeWindow], mel_rows):
         """f0 and phase state of frames [state.f0_start, F') (old frames kept bit for bit), and
         the phase carry after frame F' - 1."""
         todo = [i for i, p in enumerate(plans) if p.f0_new[1] > p.f0_new[0]]
@@ -265,7 +268,7 @@ class HiFTGenerator(nn.Module):
         f0_all = f0_all.to(self.source_dtype).cpu()  # upstream casts f0 to the mel dtype
         for r, i in enumerate(todo):
             (f_from, f_to), lo = plans[i].f0_new, plans[i].f0_mel[0]
-            f0_new = f0_all[r, f_from - lo : f_to - lo]  # [f]
+            f0_new = f0_all[r, f_from - lo : f_to - lo]  # [t_f0]
             phase_new, carry_rows[i] = self.m_source.advance_phase(f0_new, states[i].phase_carry)
             f0_rows[i] = torch.cat([states[i].f0, f0_new.double()])
             phase_rows[i] = torch.cat([states[i].phase, phase_new])
@@ -273,7 +276,7 @@ class HiFTGenerator(nn.Module):
 
     # -- decoder --------------------------------------------------------------------------------
 
-    def _synthesize(self, states, plans: list[ChunkPlan], mel_rows, f0_rows, phase_rows):
+    def _synthesize(self, states, plans: list[DecodeWindow], mel_rows, f0_rows, phase_rows):
         cfg = self.cfg
         out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         audio = [torch.zeros(p.num_out_samples, dtype=out_dtype) for p in plans]
@@ -283,11 +286,11 @@ class HiFTGenerator(nn.Module):
         dev, b = self.device, len(rows)
         lens = [plans[i].dec_end - plans[i].window for i in rows]  # conv_pre outputs per row
         src_lens = [plans[i].src_end - plans[i].window for i in rows]
-        t, f = max(lens), max(src_lens)
+        t, t_f0 = max(lens), max(src_lens)
         look = cfg.conv_pre_look_right
         mel_in = torch.zeros(b, cfg.in_channels, t + look)
-        f0 = torch.zeros(b, f, dtype=torch.float64)
-        phase = torch.zeros(b, f, cfg.num_harmonics, dtype=torch.float64)
+        f0 = torch.zeros(b, t_f0, dtype=torch.float64)
+        phase = torch.zeros(b, t_f0, cfg.num_harmonics, dtype=torch.float64)
         for r, i in enumerate(rows):
             p, st = plans[i], states[i]
             hi = min(p.dec_end + look, p.total)  # past the last frame: zeros (finalize)
@@ -297,27 +300,27 @@ class HiFTGenerator(nn.Module):
             a = p.window - st.f0_start
             f0[r, : src_lens[r]] = f0_rows[i][a : a + src_lens[r]]
             phase[r, : src_lens[r]] = phase_rows[i][a : a + src_lens[r]]
-        noise_at = torch.tensor([plans[i].window * HOP_SAMPLES for i in rows], device=dev)
-        idx = noise_at[:, None] + torch.arange(f * HOP_SAMPLES, device=dev)  # (b, l)
+        noise_at = torch.tensor([plans[i].window * SAMPLES_PER_FRAME for i in rows], device=dev)
+        idx = noise_at[:, None] + torch.arange(t_f0 * SAMPLES_PER_FRAME, device=dev)  # (b, l)
         noise_buf = sine_noise_on(cfg.noise_seed, dev)
-        noise = noise_buf[idx.clamp_max(noise_buf.shape[0] - 1)]  # (b, l, h)
+        noise = noise_buf[idx.clamp_max(noise_buf.shape[0] - 1)]  # (b, l, m)
         s = self.m_source.excitation(f0.to(dev, self.source_dtype), phase.to(dev), noise)
         fps = cfg.stft_frames_per_frame
         n_frames = torch.tensor([fps * x + 1 for x in lens])
-        src_samples = torch.tensor([HOP_SAMPLES * x for x in src_lens])
+        src_samples = torch.tensor([SAMPLES_PER_FRAME * x for x in src_lens])
         stft = source_stft(s, src_samples, fps * t + 1, self.stft_window, cfg.istft_hop)
         x = self.decoder(mel_in.to(dev, self.dtype), stft.to(self.dtype))
         wav = istft_head(x, n_frames, self.stft_window, cfg.istft_hop, cfg.magnitude_limit)
         wav = wav.clamp(-cfg.audio_limit, cfg.audio_limit).to("cpu", out_dtype)  # (b, 480 t)
         for r, i in enumerate(rows):
             p = plans[i]
-            a = (p.out[0] - p.window) * HOP_SAMPLES
+            a = (p.out[0] - p.window) * SAMPLES_PER_FRAME
             audio[i] = wav[r, a : a + p.num_out_samples].clone()
         return audio
 
     def decoder(self, mel_in: torch.Tensor, stft: torch.Tensor) -> torch.Tensor:
-        """mel_in (b, c, t + 4) incl. conv_pre's right context, stft (b, 18, 120 t + 1)
-        -> conv_post output (b, 18, 120 t + 1), the iSTFT head's input."""
+        """mel_in (b, c, t + 4) incl. conv_pre's right context, stft (b, 18, u), u = 120 t + 1
+        -> conv_post output (b, 18, u), the iSTFT head's input."""
         cfg = self.cfg
         n_stages, nk = len(cfg.upsample_rates), len(cfg.resblock_kernel_sizes)
         x = self.conv_pre(mel_in)  # (b, base, t)
@@ -334,7 +337,7 @@ class HiFTGenerator(nn.Module):
         return run_causal(self.conv_post, x)
 
 
-def _commit(st: HiFTSessionState, plan: ChunkPlan, mel_row, f0, phase, carry, num_samples: int):
+def _commit(st: HiFTSessionState, plan: DecodeWindow, mel_row, f0, phase, carry, num_samples: int):
     """Apply a computed chunk to its session and trim the state to what the next chunk reads."""
     st.mel = mel_row[:, plan.keep_mel_from - st.mel_start :].clone()
     keep = plan.keep_f0_from - st.f0_start  # f0_start still refers to the old num_f0_frames

@@ -5,13 +5,14 @@ and weight-normalised convs carry `parametrizations.weight.original0/1`, so the 
 as is. Causal padding uses the conv's own symmetric zero padding and drops the surplus outputs
 on the right: the same zeros on the left as upstream's explicit pad, one kernel fewer.
 
-Dimensions:
+Dimensions (docs/DESIGN.md "Shape letters"):
     b  rows (sessions in a batch, or 1)
     c  channels
-    t  positions at the layer's rate (mel frames, x8, x40, or x120 STFT frames)
-    f  mel frames with f0 / phase values
+    t  mel frames
+    u  positions at an upsampled rate (8t, 40t, 120t + 1 = STFT frames)
+    t_f0  mel frames with f0 / phase values
     l  source samples (480 per mel frame)
-    h  sine components (9: fundamental + 8 overtones)
+    m  sine components (9: fundamental + 8 overtones)
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
-from vocoder_service.model.config import F0_LOOK_RIGHT, HOP_SAMPLES, SAMPLE_RATE, HiFTConfig
+from token2wav import SAMPLE_RATE, SAMPLES_PER_FRAME
+from vocoder_service.model.config import F0_LOOK_RIGHT, HiFTConfig
 from vocoder_service.model.noise import hift_noise_buffers
 
 SNAKE_EPS = 1e-9  # upstream's no_div_by_zero in Snake
@@ -89,7 +91,7 @@ class SourceDown(nn.Conv1d):
         if rate == 1:
             super().__init__(cin, cout, 1)
         else:
-            # Symmetric padding rate-1: outputs j < t read exactly upstream's windows (its pad is
+            # Symmetric padding rate-1: outputs below num_out read exactly upstream's windows (its pad is
             # left only); the extra right zeros only create outputs that are sliced off.
             super().__init__(cin, cout, 2 * rate, stride=rate, padding=rate - 1)
 
@@ -112,22 +114,23 @@ class CausalF0Predictor(nn.Module):
         self.classifier = nn.Linear(c, 1)
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
-        """mel (b, 80, f + 3) incl. the right context -> f0 (b, f) in Hz."""
+        """mel (b, 80, t_f0 + 3) incl. the right context -> f0 (b, t_f0) in Hz."""
         return self.raw_output(mel).abs()
 
     def raw_output(self, mel: torch.Tensor) -> torch.Tensor:
         x = self.condnet[1](self.condnet[0](mel))
         for i in range(2, len(self.condnet), 2):
             x = self.condnet[i + 1](run_causal(self.condnet[i], x))
-        return self.classifier(x.transpose(1, 2)).squeeze(-1)  # (b, f, c) -> (b, f)
+        return self.classifier(x.transpose(1, 2)).squeeze(-1)  # (b, t_f0, c) -> (b, t_f0)
 
 
 class SourceModule(nn.Module):
     """`SourceModuleHnNSF` with the causal SineGen2, reduced to what the generator uses: the
     harmonic excitation tanh(Linear(9 -> 1)(sines x uv + noise)) (docs/REFERENCE.md §5.4).
 
-    Upstream's phase is a per-frame staircase: r = (f0 h / 24000) mod 1 per frame (float32),
-    S_k = cumsum(r) in float32, sine = sin(S_k x 2 pi x 480) held for the frame's 480 samples.
+    Upstream's phase is a per-frame staircase: r = (i f0 / 24000) mod 1 per frame for harmonic
+    i (float32), S_k = cumsum(r) in float32, sine = sin(S_k x 2 pi x 480) held for the frame's
+    480 samples.
     Only the phase modulo one cycle matters, but float32 S_k has an ulp of 1.2e-4 cycles at
     S = 1500 (60 s), which x480 becomes 0.06 cycles: upstream's long-utterance phase is mostly
     rounding. Two modes (HiFTConfig.phase_mode), both exact across chunks:
@@ -158,38 +161,39 @@ class SourceModule(nn.Module):
         return hift_noise_buffers(self.cfg.noise_seed)["sine_noise"]
 
     def advance_phase(self, f0: torch.Tensor, carry: torch.Tensor):
-        """f0 [f] of new frames (float32, or float64 in checks), carry [h] float64 (the last
-        frame's phase state, 0 at the start) -> (phase state (f, h) float64, new carry [h])."""
+        """f0 [t_f0] of new frames (float32, or float64 in checks), carry [m] float64 (the last
+        frame's phase state, 0 at the start) -> (phase state (t_f0, m) float64, new carry [m])."""
         harmonics = torch.arange(1, self.cfg.num_harmonics + 1, dtype=f0.dtype, device=f0.device)
-        rad = (f0[:, None] * harmonics) / SAMPLE_RATE % 1  # upstream's rad_values, (f, h)
+        rad = (f0[:, None] * harmonics) / SAMPLE_RATE % 1  # upstream's rad_values, (t_f0, m)
         if self.cfg.phase_mode == "upstream":
             # Sequential float64 sum seeded with the carry: what CPU cumsum does from frame 0.
-            seq = torch.cat([carry[None].to(rad.device), rad.double()])  # (1 + f, h)
+            seq = torch.cat([carry[None].to(rad.device), rad.double()])  # (1 + t_f0, m)
             phase = torch.cumsum(seq, dim=0)[1:]
         else:
-            inc = (rad.double() * HOP_SAMPLES) % 1  # cycles per frame after the x480
+            inc = (rad.double() * SAMPLES_PER_FRAME) % 1  # cycles per frame after the x480
             phase = (carry.to(rad.device) + torch.cumsum(inc, dim=0)) % 1
         return phase, phase[-1] if phase.shape[0] else carry
 
     def sines(self, phase: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Per-frame phase state (b, f, h) float64 -> sin(phase angle) (b, f, h) in `dtype`."""
+        """Per-frame phase state (b, t_f0, m) float64 -> sin(phase angle) (b, t_f0, m) in `dtype`."""
         if self.cfg.phase_mode == "upstream":
-            angle = (phase.float() * 2 * math.pi) * HOP_SAMPLES  # float32 ops as upstream
+            angle = (phase.float() * 2 * math.pi) * SAMPLES_PER_FRAME  # float32 ops as upstream
             return torch.sin(angle).to(dtype)
         return torch.sin(phase * (2 * math.pi)).to(dtype)
 
     def excitation(self, f0: torch.Tensor, phase: torch.Tensor, noise: torch.Tensor):
-        """f0 (b, f), phase state (b, f, h) float64, noise (b, f*480, h) U[0, 1) -> source
-        (b, f*480), all in f0's dtype (float32 like upstream's mel dtype, float64 in checks)."""
+        """f0 (b, t_f0), phase state (b, t_f0, m) float64, noise (b, l, m) U[0, 1), l = 480 t_f0
+        -> source (b, l), all in f0's dtype (float32 like upstream's mel dtype, float64 in checks)."""
         cfg = self.cfg
-        b, f = f0.shape
+        b, t_f0 = f0.shape
         dtype = f0.dtype
-        sine = self.sines(phase, dtype) * cfg.nsf_alpha  # (b, f, h)
-        uv = (f0 > cfg.nsf_voiced_threshold).to(dtype)[..., None]  # (b, f, 1)
-        noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3  # (b, f, 1)
-        per_sample = (b, f, HOP_SAMPLES, cfg.num_harmonics)
-        sine_uv = (sine * uv)[:, :, None].expand(per_sample).reshape(b, f * HOP_SAMPLES, -1)
-        amp = noise_amp[:, :, None].expand(b, f, HOP_SAMPLES, 1).reshape(b, f * HOP_SAMPLES, 1)
-        waves = sine_uv + amp * noise.to(dtype)  # (b, l, h)
+        spf, samples = SAMPLES_PER_FRAME, t_f0 * SAMPLES_PER_FRAME
+        sine = self.sines(phase, dtype) * cfg.nsf_alpha  # (b, t_f0, m)
+        uv = (f0 > cfg.nsf_voiced_threshold).to(dtype)[..., None]  # (b, t_f0, 1)
+        noise_amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3  # (b, t_f0, 1)
+        per_sample = (b, t_f0, spf, cfg.num_harmonics)
+        sine_uv = (sine * uv)[:, :, None].expand(per_sample).reshape(b, samples, -1)  # (b, l, m)
+        amp = noise_amp[:, :, None].expand(b, t_f0, spf, 1).reshape(b, samples, 1)
+        waves = sine_uv + amp * noise.to(dtype)  # (b, l, m)
         w, bias = self.l_linear.weight.to(dtype), self.l_linear.bias.to(dtype)
         return torch.tanh(F.linear(waves, w, bias)).squeeze(-1)  # (b, l, 1) -> (b, l)

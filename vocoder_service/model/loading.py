@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
+from token2wav import SAMPLES_PER_FRAME
 from token2wav.checkpoint import load_tensors
-from vocoder_service.model.config import HIFT_PRESETS, HOP_SAMPLES, HiFTConfig
+from vocoder_service.model.config import HIFT_PRESETS, HiFTConfig
 from vocoder_service.model.errors import CheckpointError
 from vocoder_service.model.generator import HiFTGenerator
 
@@ -43,7 +44,7 @@ def load_hift(
     from `seed`.
     phase_mode: overrides the config's ("exact" or "upstream", see layers.SourceModule).
     fold_weight_norm: compute g v / ||v|| once after loading (identical values, ~110 fewer
-    kernels per step); the state_dict then has plain `.weight` keys.
+    kernels per batch); the state_dict then has plain `.weight` keys.
     """
     if path is None:
         name = preset or DEFAULT_PRESET
@@ -158,7 +159,7 @@ def infer_config(state: dict[str, torch.Tensor]) -> HiFTConfig:
         n_fft = down_k[0][1] - 2
         down = [k[2] // 2 if k[2] > 1 else 1 for k in down_k]
         hop = n_fft // 4
-        rates = [HOP_SAMPLES // (hop * down[0])] + [
+        rates = [SAMPLES_PER_FRAME // (hop * down[0])] + [
             down[i] // down[i + 1] for i in range(n_stages - 1)
         ]
         n_res = _count(state, r"resblocks\.(\d+)\.")

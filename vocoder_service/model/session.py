@@ -3,7 +3,7 @@
 A session remembers only what the next chunk needs: the mel tail that the decoder window and
 the f0 predictor will re-read, the frozen f0 values and phase (in cycles) of the frames the
 window will re-synthesise, the phase carry, and counters. Everything is indexed by absolute mel
-frame, so its size does not depend on how long the stream has run (see `plan_chunk`).
+frame, so its size does not depend on how long the stream has run (see `decode_window`).
 
 Serialised form (`to_bytes`), little-endian:
     b"T2WHIFT\\0" | u32 version | u32 header length | header JSON (utf-8) | mel f32 | f0 f64 |
@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from token2wav import SAMPLES_PER_FRAME
 from token2wav.invalid import InvalidInput
-from vocoder_service.model.config import F0_LOOK_RIGHT, HOLDBACK_FRAMES, HOP_SAMPLES, HiFTConfig
+from vocoder_service.model.config import F0_LOOK_RIGHT, HOLDBACK_FRAMES, HiFTConfig
 
 MAGIC = b"T2WHIFT\0"
 STATE_VERSION = 1
@@ -38,7 +39,7 @@ def model_fingerprint(cfg: HiFTConfig) -> str:
 
 
 @dataclass
-class ChunkPlan:
+class DecodeWindow:
     """Frame bookkeeping for one chunk of one session; all indices are absolute mel frames."""
 
     total: int  # frames received after this chunk (T')
@@ -54,12 +55,12 @@ class ChunkPlan:
 
     @property
     def num_out_samples(self) -> int:
-        return (self.out[1] - self.out[0]) * HOP_SAMPLES
+        return (self.out[1] - self.out[0]) * SAMPLES_PER_FRAME
 
 
 class HiFTSessionState:
     """One stream's vocoder state. Create with `HiFTGenerator.new_session()`; advance only
-    through `HiFTGenerator.step` (which validates first and updates the state only on success)."""
+    through `HiFTGenerator.decode_batch` (which validates first and updates the state only on success)."""
 
     def __init__(self, fingerprint: str, in_channels: int, num_harmonics: int):
         self.fingerprint = fingerprint
@@ -67,10 +68,10 @@ class HiFTSessionState:
         self.num_samples_emitted = 0
         self.num_f0_frames = 0  # frames whose f0 (and phase) is computed and frozen
         self.finalized = False
-        self.mel = torch.zeros(in_channels, 0)  # (c, m): frames [num_frames - m, num_frames)
-        self.f0 = torch.zeros(0, dtype=torch.float64)  # [k]: frames [num_f0_frames - k, ...)
-        # Per-frame phase state (k, h), float64 cycles (SourceModule.advance_phase), and the
-        # carry [h]: the state of frame F - 1 (0 before the first frame).
+        self.mel = torch.zeros(in_channels, 0)  # (c, t): frames [num_frames - t, num_frames)
+        self.f0 = torch.zeros(0, dtype=torch.float64)  # [t_f0]: frames [num_f0_frames - t_f0, ...)
+        # Per-frame phase state (t_f0, m), float64 cycles (SourceModule.advance_phase), and the
+        # carry [m]: the state of frame F - 1 (0 before the first frame).
         self.phase = torch.zeros(0, num_harmonics, dtype=torch.float64)
         self.phase_carry = torch.zeros(num_harmonics, dtype=torch.float64)
 
@@ -84,7 +85,7 @@ class HiFTSessionState:
 
     @property
     def num_frames_emitted(self) -> int:
-        return self.num_samples_emitted // HOP_SAMPLES
+        return self.num_samples_emitted // SAMPLES_PER_FRAME
 
     @property
     def nbytes(self) -> int:
@@ -146,9 +147,9 @@ class HiFTSessionState:
         pos = _PREFIX.size
         h = json.loads(data[pos : pos + head_len].decode())
         pos += head_len
-        c, m = (int(v) for v in h["mel_shape"])
-        k, nh = int(h["f0_len"]), int(h["num_harmonics"])
-        counts = (c * m, k, k * nh, nh)
+        c, t = (int(v) for v in h["mel_shape"])
+        t_f0, m = int(h["f0_len"]), int(h["num_harmonics"])
+        counts = (c * t, t_f0, t_f0 * m, m)
         itemsizes = (4, 8, 8, 8)
         expected = pos + sum(n * size for n, size in zip(counts, itemsizes))
         if len(data) != expected:
@@ -158,14 +159,14 @@ class HiFTSessionState:
             dtype = np.dtype("<f4" if size == 4 else "<f8")
             arrays.append(np.frombuffer(data, dtype=dtype, count=count, offset=pos).copy())
             pos += count * size
-        st = cls(str(h["fingerprint"]), c, nh)
+        st = cls(str(h["fingerprint"]), c, m)
         st.num_frames = int(h["num_frames"])
         st.num_samples_emitted = int(h["num_samples_emitted"])
         st.num_f0_frames = int(h["num_f0_frames"])
         st.finalized = bool(h["finalized"])
-        st.mel = torch.from_numpy(arrays[0].astype(np.float32).reshape(c, m))
+        st.mel = torch.from_numpy(arrays[0].astype(np.float32).reshape(c, t))
         st.f0 = torch.from_numpy(arrays[1].astype(np.float64))
-        st.phase = torch.from_numpy(arrays[2].astype(np.float64).reshape(k, nh))
+        st.phase = torch.from_numpy(arrays[2].astype(np.float64).reshape(t_f0, m))
         st.phase_carry = torch.from_numpy(arrays[3].astype(np.float64))
         st._check_consistent()
         return st
@@ -174,7 +175,7 @@ class HiFTSessionState:
         ok = (
             0 <= self.mel_start <= self.num_frames
             and 0 <= self.f0_start <= self.num_f0_frames <= self.num_frames
-            and self.num_samples_emitted % HOP_SAMPLES == 0
+            and self.num_samples_emitted % SAMPLES_PER_FRAME == 0
             and self.num_frames_emitted <= self.num_frames
             and bool(torch.isfinite(self.mel).all())
             and bool(torch.isfinite(self.phase).all() and torch.isfinite(self.f0).all())
@@ -183,7 +184,9 @@ class HiFTSessionState:
             raise InvalidInput("session", "inconsistent counters or non-finite arrays in state")
 
 
-def plan_chunk(st: HiFTSessionState, n_new: int, finalize: bool, cfg: HiFTConfig) -> ChunkPlan:
+def decode_window(
+    st: HiFTSessionState, n_new: int, finalize: bool, cfg: HiFTConfig
+) -> DecodeWindow:
     """Which frames a chunk of `n_new` mel frames reads, computes and emits.
 
     Upstream semantics (docs/REFERENCE.md §5.5-5.6): with T frames and no finalize, f0 exists for T-3 frames
@@ -203,7 +206,7 @@ def plan_chunk(st: HiFTSessionState, n_new: int, finalize: bool, cfg: HiFTConfig
     src_end = total if finalize else dec_end + 1
     next_window = max(0, out_to - ctx)
     next_f0_lo = max(0, f0_end - cfg.f0_context_frames)
-    return ChunkPlan(
+    return DecodeWindow(
         total=total,
         finalize=finalize,
         f0_new=(st.num_f0_frames, f0_end),

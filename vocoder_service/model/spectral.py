@@ -6,11 +6,11 @@ ends must stay each row's own: the STFT here reflects every row at its own last 
 iSTFT zeroes frames past a row's count and normalises by that row's own window envelope, so a
 row's samples equal what it would get alone (the tests compare against torch.stft/istft).
 
-Dimensions:
+Dimensions (docs/DESIGN.md "Shape letters"):
     b  rows
     l  source samples (row i has lengths[i] valid ones, zero padding after)
-    n  STFT frames (hop 4: 120 per mel frame); row i has frames[i] valid ones
-    k  FFT bins (n_fft/2 + 1 = 9)
+    u  STFT frames (hop 4: 120 per mel frame); row i has frames[i] valid ones
+    j  FFT bins (n_fft/2 + 1 = 9)
     w  n_fft (16)
 """
 
@@ -33,10 +33,10 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 def source_stft(
     s: torch.Tensor, lengths: torch.Tensor, num_frames: int, window: torch.Tensor, hop: int
 ) -> torch.Tensor:
-    """s (b, l) with `lengths` [b] valid samples -> [real | imag] (b, 2k, num_frames), float32
+    """s (b, l) with `lengths` [b] valid samples -> [real | imag] (b, 2j, num_frames), float32
     (float64 if s is).
 
-    Frame t of row i is centred on sample hop*t of that row and reflect-padded at both of its
+    STFT frame q of row i is centred on sample hop*q of that row and reflect-padded at both of its
     ends, as torch.stft(center=True) would do for the row alone. Frames that would read past a
     row's reflect padding are garbage; callers only use frames < lengths // hop + 1.
     """
@@ -50,39 +50,39 @@ def source_stft(
     idx = idx.clamp(0, s.shape[1] - 1)  # (b, span); clamped entries only feed garbage frames
     dtype = _work_dtype(s)
     padded = torch.gather(s.to(dtype), 1, idx)  # (b, span)
-    frames = padded.unfold(1, n_fft, hop) * window.to(s.device, dtype)  # (b, n, w)
-    spec = torch.fft.rfft(frames, dim=-1)  # (b, n, k)
-    out = torch.cat([spec.real, spec.imag], dim=-1)  # (b, n, 2k)
-    return out.transpose(1, 2).contiguous()  # (b, 2k, n)
+    frames = padded.unfold(1, n_fft, hop) * window.to(s.device, dtype)  # (b, u, w)
+    spec = torch.fft.rfft(frames, dim=-1)  # (b, u, j)
+    out = torch.cat([spec.real, spec.imag], dim=-1)  # (b, u, 2j)
+    return out.transpose(1, 2).contiguous()  # (b, 2j, u)
 
 
 def istft_head(
     x: torch.Tensor, frames: torch.Tensor, window: torch.Tensor, hop: int, magnitude_limit: float
 ) -> torch.Tensor:
-    """conv_post output x (b, 2k, n) -> audio (b, hop*(n-1)) float32 (float64 if x is); row i is valid for
-    hop*(frames[i]-1) samples. Magnitude exp(x[:k]) clipped at `magnitude_limit`, phase
-    sin(x[k:]) (upstream's redundant sin kept), inverse FFT, Hann, overlap-add, envelope."""
+    """conv_post output x (b, 2j, u) -> audio (b, hop*(u-1)) float32 (float64 if x is); row i is
+    valid for hop*(frames[i]-1) samples. Magnitude exp(x[:j]) clipped at `magnitude_limit`, phase
+    sin(x[j:]) (upstream's redundant sin kept), inverse FFT, Hann, overlap-add, envelope."""
     x = x.to(_work_dtype(x))
-    b, _, n = x.shape
+    b, _, u = x.shape
     n_fft = window.shape[0]
-    k = n_fft // 2 + 1
-    magnitude = torch.clip(torch.exp(x[:, :k]), max=magnitude_limit)
-    phase = torch.sin(x[:, k:])
-    spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))  # (b, k, n)
+    j = n_fft // 2 + 1
+    magnitude = torch.clip(torch.exp(x[:, :j]), max=magnitude_limit)
+    phase = torch.sin(x[:, j:])
+    spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))  # (b, j, u)
     window = window.to(x.device, x.dtype)
-    valid = torch.arange(n, device=x.device)[None, :] < frames.to(x.device)[:, None]  # (b, n)
-    seg = torch.fft.irfft(spec, n=n_fft, dim=1) * window[None, :, None]  # (b, w, n)
+    valid = torch.arange(u, device=x.device)[None, :] < frames.to(x.device)[:, None]  # (b, u)
+    seg = torch.fft.irfft(spec, n=n_fft, dim=1) * window[None, :, None]  # (b, w, u)
     seg = seg * valid[:, None, :]
-    # Overlap-add with n_fft = 4 hop: output block j (hop samples) sums quarter m of frame j-m.
+    # Overlap-add with n_fft = 4 hop: output block i (hop samples) sums quarter q of frame i-q.
     quarters = n_fft // hop
-    y = x.new_zeros(b, n + quarters - 1, hop)  # (b, n + 3, hop)
-    env = x.new_zeros(b, n + quarters - 1, hop)
+    y = x.new_zeros(b, u + quarters - 1, hop)  # (b, u + 3, hop)
+    env = x.new_zeros(b, u + quarters - 1, hop)
     sq = window.pow(2)
-    for m in range(quarters):
-        part = slice(m * hop, (m + 1) * hop)
-        y[:, m : m + n] += seg[:, part].transpose(1, 2)  # (b, n, hop)
-        env[:, m : m + n] += valid[:, :, None] * sq[part]
+    for q in range(quarters):
+        part = slice(q * hop, (q + 1) * hop)
+        y[:, q : q + u] += seg[:, part].transpose(1, 2)  # (b, u, hop)
+        env[:, q : q + u] += valid[:, :, None] * sq[part]
     half = n_fft // 2
-    y = y.reshape(b, -1)[:, half : half + hop * (n - 1)]  # (b, hop*(n-1))
-    env = env.reshape(b, -1)[:, half : half + hop * (n - 1)]
+    y = y.reshape(b, -1)[:, half : half + hop * (u - 1)]  # (b, hop*(u-1))
+    env = env.reshape(b, -1)[:, half : half + hop * (u - 1)]
     return torch.where(env > 1e-11, y / env.clamp_min(1e-11), torch.zeros_like(y))
