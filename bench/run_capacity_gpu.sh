@@ -34,6 +34,8 @@ DURATION=${DURATION:-10}  # Poisson window per probe, s (grows to expect MIN_STR
 MIN_STREAMS=${MIN_STREAMS:-40}
 CLOSED=${CLOSED:-64}
 OVERLOAD_S=${OVERLOAD_S:-20}
+# the gateway's --start-buffer-ms: held first audio of streams whose input is open (paced runs)
+START_BUFFER_MS=${START_BUFFER_MS:-150}
 DEST=${OUT:-out}/capacity
 if [ -n "${OUT:-}" ]; then RAW=${BENCH_RAW:-/tmp/token2wav-capacity}; else RAW=${BENCH_RAW:-$DEST/raw}; fi
 START=$SECONDS
@@ -45,7 +47,8 @@ $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_av
 rm -rf "$RAW" && mkdir -p "$RAW" "$DEST"
 common=(--device "$DEVICE" --preset "$PRESET" --utterance-tokens "$UTT_TOKENS"
   --duration "$DURATION" --min-streams "$MIN_STREAMS" --warmup-streams 4
-  --drain-timeout 20 --startup-timeout 240 --quiet)
+  --drain-timeout 20 --startup-timeout 240 --quiet
+  --gateway-arg="--start-buffer-ms=$START_BUFFER_MS")
 
 # bf16 gets ~72 % of the time (its budget includes starting the stack); fp32 the rest.
 # SKIP_FP32=1: bf16 only, with all of the time.

@@ -75,9 +75,9 @@ class SimConfig:
     vocoder_row_s: float = 0.0055
     vocoder_max_rows: int = 64
     gateway_chunk_s: float = 0.002  # serial gateway CPU per delivered chunk
-    # the gateway's --first-audio-hold-ms: a first chunk of a stream whose input is still open
+    # the gateway's --start-buffer-ms: a first chunk of a stream whose input is still open
     # goes out no earlier than this long after its tokens came (a start buffer)
-    first_audio_hold_s: float = 0.0
+    start_buffer_s: float = 0.0
     wire_s: float = 0.001
 
 
@@ -328,7 +328,7 @@ class Simulation:
         for _, s, chunk in batch:
             start = max(now, self.gw_free_at)
             if chunk.seq == 0 and not s.ended_at_first:
-                start = max(start, s.ready[0] + self.c.first_audio_hold_s)
+                start = max(start, s.ready[0] + self.c.start_buffer_s)
             self.gw_free_at = start + self.c.gateway_chunk_s
             self.clock.at(self.gw_free_at, self._deliver, s, chunk)
         self._voc_kick()

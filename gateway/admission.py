@@ -16,6 +16,16 @@ that lateness within `tolerance` or at least no worse than without it (streams a
 are not made later). Otherwise the call is refused with RESOURCE_EXHAUSTED at once, or after at
 most `max_wait` of waiting for streams to finish. While no replica has reported a capacity yet
 (cold start) streams are admitted.
+
+Feedback (`--admission-feedback`). The estimate is optimistic by construction: it assumes
+every frame runs at the large-batch rate, while at moderate load batches are small, the
+vocoder shares the GPU and the gateway's CPU adds its own delay. So the controller also watches
+what it is meant to prevent: each chunk that reaches the client later than its player needed it
+(beyond `tolerance_s`, input-forced waits excluded; PlaybackClock.needed_at) cuts the capacity
+it plans with by `feedback_cut` (at most once per `feedback_interval_s`: one overload burst
+makes many chunks late at once), down to `feedback_floor`; each chunk on time wins back
+`feedback_recover` of it. Multiplicative decrease, additive increase: under sustained overload
+the admitted rate settles just under what the stack keeps on time.
 """
 
 from __future__ import annotations
@@ -39,6 +49,11 @@ class AdmissionConfig:
     max_wait_s: float = 0.0  # how long a refused stream may wait for room; 0: refuse at once
     capacity_override: float = 0.0  # frames/s; > 0 replaces the replicas' reports
     report_ttl_s: float = 60.0  # a replica's report counts this long
+    feedback: bool = True  # learn from late chunks (module docstring)
+    feedback_cut: float = 0.7  # capacity factor per late-chunk event
+    feedback_interval_s: float = 1.0  # at most one cut per this long
+    feedback_recover: float = 0.002  # factor won back per on-time chunk
+    feedback_floor: float = 0.1  # the factor never goes below this
 
     def __post_init__(self):
         if not 0 < self.headroom <= 1:
@@ -47,6 +62,8 @@ class AdmissionConfig:
             raise ValueError("--admission-expected-tokens: want >= 1")
         if self.max_wait_s < 0 or self.tolerance_s < 0 or self.capacity_override < 0:
             raise ValueError("admission: wait, tolerance and capacity want >= 0")
+        if not (0 < self.feedback_cut < 1 and 0 < self.feedback_floor <= 1):
+            raise ValueError("admission feedback: want 0 < cut < 1 and 0 < floor <= 1")
 
 
 class Workload(Protocol):
@@ -93,10 +110,27 @@ class AdmissionController:
         self.clock = clock
         self.streams: set[Workload] = set()
         self._changed = asyncio.Condition()
+        self.factor = 1.0  # feedback on the estimate: 1 until a chunk comes late
+        self._last_cut = -float("inf")
 
     def capacity(self) -> float:
         c = self.config.capacity_override or self.board.total(self.config.report_ttl_s)
-        return c * self.config.headroom
+        return c * self.config.headroom * self.factor
+
+    def observe(self, lateness_s: float) -> None:
+        """A chunk reached its client `lateness_s` after its player needed it (< 0: early)."""
+        cfg = self.config
+        if not (cfg.enabled and cfg.feedback):
+            return
+        if lateness_s > cfg.tolerance_s:
+            now = self.clock()
+            if now - self._last_cut >= cfg.feedback_interval_s:
+                self._last_cut = now
+                self.factor = max(cfg.feedback_floor, self.factor * cfg.feedback_cut)
+                metrics.ADMISSION_FACTOR.set(self.factor)
+        elif self.factor < 1.0:
+            self.factor = min(1.0, self.factor + cfg.feedback_recover)
+            metrics.ADMISSION_FACTOR.set(self.factor)
 
     def check(self, stream: Workload) -> tuple[bool, str]:
         """(admit?, why not) for one more stream, on the current estimate."""

@@ -119,6 +119,14 @@ def build_parser() -> EnvParser:
         help="subtracted from every playback deadline sent downstream (vocoder step, transport)",
     )
     p.flag(
+        "--start-buffer-ms",
+        type=float,
+        default=0.0,
+        help="hold the first audio of a stream whose input is still open until this long after "
+        "its first chunk's tokens: playback starts later, every later chunk has that much more "
+        "slack (0: send at once)",
+    )
+    p.flag(
         "--admission",
         type=bool,
         default=False,
@@ -130,6 +138,13 @@ def build_parser() -> EnvParser:
         type=float,
         default=0.8,
         help="share of the flow replicas' reported capacity admission plans with",
+    )
+    p.flag(
+        "--admission-feedback",
+        type=bool,
+        default=True,
+        help="each chunk that reaches its client after its player needed it cuts the capacity "
+        "admission plans with (x0.7, at most once a second); chunks on time win it back",
     )
     p.flag(
         "--admission-expected-tokens",
@@ -288,6 +303,7 @@ class GatewayConfig:
                 args.call_timeout,
                 deadlines,
                 max_vocoder_failovers=args.vocoder_failovers,
+                start_buffer_s=args.start_buffer_ms / 1e3,
             ),
             inbound=InboundLimits(
                 first_message_timeout=args.first_tokens_timeout,
@@ -300,5 +316,6 @@ class GatewayConfig:
                 expected_tokens=args.admission_expected_tokens,
                 max_wait_s=args.admission_wait_ms / 1e3,
                 capacity_override=args.admission_capacity,
+                feedback=args.admission_feedback,
             ),
         )

@@ -19,6 +19,10 @@ whenever it runs dry. A chunk is needed when the audio before it has played out:
                   target (a bound for first chunks) would grant such a chunk a stall of up to
                   target - first-chunk latency that the stream is then judged late for
 
+A start buffer (`--start-buffer-ms`) holds a paced stream's first audio in the gateway; the
+player then starts later than the deadlines above assume until that first send, which only
+makes them earlier than needed (safe), and from the send on `play_end` is the real one.
+
 The deadline sent to the flow and vocoder services is that time minus `margin` (transport,
 vocoder step, client buffering), as slack: milliseconds from the send (see flow.proto).
 Audio position counts what the vocoder really delivers: it holds back the last

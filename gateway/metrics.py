@@ -20,6 +20,10 @@ FLOW_CAPACITY = Gauge(
     "t2w_gateway_flow_capacity_frames_per_second",
     "Flow capacity admission plans with: replicas' reports summed, times --admission-headroom",
 )
+ADMISSION_FACTOR = Gauge(
+    "t2w_gateway_admission_feedback_factor",
+    "Share of the flow capacity estimate admission trusts after late chunks (1: all of it)",
+)
 AUDIO_SECONDS = Counter("t2w_gateway_audio_seconds_total", "Audio seconds sent to clients")
 VOCODER_FAILOVERS = Counter(
     "t2w_gateway_vocoder_failovers_total",

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -47,6 +47,13 @@ class PipelineLimits:
     deadlines: DeadlineConfig | None = DeadlineConfig()
     max_vocoder_failovers: int = 3  # times a stream may reopen its session on another replica
     failover_connect_wait: float = 5.0  # s a failover waits for its replica to (re)connect
+    # A stream whose input is still open when its first audio is ready gets that audio no
+    # earlier than this long after the first chunk's tokens (a start buffer, see `_hold_first`).
+    start_buffer_s: float = 0.0
+
+    def __post_init__(self):
+        if self.start_buffer_s < 0:
+            raise ValueError("--start-buffer-ms: want >= 0")
 
 
 @dataclass
@@ -69,9 +76,16 @@ def to_client_audio(audio: common_pb2.Tensor, audio_format: int) -> bytes:
 
 class StreamPipeline:
     def __init__(
-        self, setup: StreamSetup, flow: FlowClient, vocoders: ReplicaSet, limits: PipelineLimits
+        self,
+        setup: StreamSetup,
+        flow: FlowClient,
+        vocoders: ReplicaSet,
+        limits: PipelineLimits,
+        observe_lateness: Callable[[float], None] | None = None,
     ):
         self.setup = setup
+        # called with (send time - when the player needed it) of every chunk after the first
+        self.observe_lateness = observe_lateness
         self.flow = flow
         self.vocoders = vocoders
         self.limits = limits
@@ -430,14 +444,33 @@ class StreamPipeline:
                 if item is None:
                     return
                 msg, ready_at = item
+                if msg.seq == 0:
+                    await self._hold_first(ready_at)
                 msg.timing.gateway_ms = (time.monotonic() - ready_at) * 1e3
                 if self.playback is not None:
+                    if msg.seq > 0 and self.observe_lateness is not None:
+                        chunk = self._flow_calls[msg.seq].result()
+                        needed = self.playback.needed_at(chunk, ready_at, project=True)
+                        self.observe_lateness(time.monotonic() - needed)
                     self.playback.sent(msg.num_samples / SAMPLE_RATE)
                 yield msg
         finally:
             if get is not None:
                 get.cancel()
             await self.close()
+
+    async def _hold_first(self, ready_at: float) -> None:
+        """The start buffer. Tokens paced by a language model put some chunks on a zero-slack
+        boundary (their tokens complete just as the audio before them runs out), where any
+        wait for the GPU becomes a pause in playback; starting playback a little later gives
+        every later chunk that much slack. A first chunk later than the buffer goes out at once;
+        a stream whose input has ended needs no buffer (all its chunks can be computed ahead)."""
+        wait = ready_at + self.limits.start_buffer_s - time.monotonic()
+        if wait <= 0 or self.ended:
+            return
+        await asyncio.wait({self._failure}, timeout=wait)
+        if self._failure.done():
+            raise self._failure.exception()
 
     async def close(self) -> None:
         # The cleanup runs in a task of its own: when the client left, this coroutine is being

@@ -153,7 +153,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise ResourceExhausted(f"gateway at its limit of {self.max_streams} streams")
         self.per_client.acquire(client)
         try:
-            pipeline = StreamPipeline(setup, self.flow, self.vocoders, self.limits)
+            pipeline = StreamPipeline(
+                setup, self.flow, self.vocoders, self.limits, self.admission.observe
+            )
             await self.admission.admit(pipeline)  # RESOURCE_EXHAUSTED: it would make streams late
         except BaseException:
             self.per_client.release(client)

@@ -7,6 +7,7 @@ still runs."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import threading
 import time
@@ -287,6 +288,41 @@ async def test_admission_fails_open_without_capacity_and_when_disabled():
     assert off.check(FakeStream([(0.0, 10**9)]))[0]
 
 
+async def test_late_chunks_cut_the_capacity_admission_plans_with_and_on_time_ones_restore_it():
+    now = [0.0]
+    board = CapacityBoard(clock=lambda: now[0])
+    board.report("flow", 10000.0)
+    cfg = AdmissionConfig(enabled=True, headroom=1.0, tolerance_s=0.02, feedback_recover=0.1)
+    ctl = AdmissionController(cfg, board, clock=lambda: now[0])
+    work = [(0.09, 200), (1.0, 300), (3.0, 600)]
+    for _ in range(4):
+        await ctl.admit(FakeStream(work))  # 4 x 200 frames by 0.09 s at 10000/s: on time
+    ctl.observe(0.015)  # within the tolerance: no cut
+    assert ctl.capacity() == pytest.approx(10000.0)
+    ctl.observe(0.3)  # a chunk 300 ms late
+    assert ctl.capacity() == pytest.approx(7000.0)
+    ok, why = ctl.check(FakeStream(work))
+    assert not ok and "7000 frames/s" in why  # 5 x 200 frames no longer fit by 0.09 s
+    ctl.observe(0.5)  # the same burst, within the interval: no second cut
+    assert ctl.factor == pytest.approx(0.7)
+    now[0] = 1.0
+    ctl.observe(0.5)
+    assert ctl.factor == pytest.approx(0.49)
+    for _ in range(3):
+        ctl.observe(-0.2)  # on time: won back additively, never above 1
+    assert ctl.factor == pytest.approx(0.79)
+    for _ in range(10):
+        ctl.observe(-0.2)
+    assert ctl.factor == 1.0
+    for i in range(30):  # sustained lateness stops at the floor
+        now[0] = 2.0 + i
+        ctl.observe(1.0)
+    assert ctl.factor == pytest.approx(cfg.feedback_floor)
+    off = AdmissionController(dataclasses.replace(cfg, feedback=False), board)
+    off.observe(1.0)
+    assert off.factor == 1.0
+
+
 async def test_bounded_wait_admits_once_a_stream_ends():
     ctl = controller(1000.0, max_wait_s=30.0)
     big = FakeStream([(0.5, 400)])
@@ -415,6 +451,8 @@ async def test_gateway_admission_refuses_at_once_and_admits_with_room(models):
             return await submit(request, deadline, due)
 
         stack.engine.submit = recording
+        lateness = []  # what the stream reports to admission's feedback, per chunk after seq 0
+        stack.gateway.service.servicer.admission.observe = lateness.append
         try:
             async with AsyncClient(stack.target) as client:
                 chunks = await run_stream(client, voice, tokens, seed=1)
@@ -422,6 +460,8 @@ async def test_gateway_admission_refuses_at_once_and_admits_with_room(models):
         finally:
             await stack.stop()
         assert len(slack) == len(chunks)
+        assert len(lateness) == (len(chunks) - 1 if with_deadlines else 0)
+        assert all(math.isfinite(v) for v in lateness)
         if with_deadlines:  # first chunk: 150 ms target - 50 ms margin after its tokens
             assert 0 < slack[0] <= 0.1
             assert all(math.isfinite(v) for v in slack.values())
@@ -484,3 +524,39 @@ async def test_engine_preempts_for_work_whose_slack_is_below_a_step(flow_model):
     finally:
         model.gate.set()
         await engine.stop()
+
+
+async def test_start_buffer_holds_the_first_audio_of_an_open_stream_only(models):
+    voice, tokens = stream_inputs(6, 20, 60)
+    stack = await start_stack(models, "--start-buffer-ms=1500")
+    try:
+        async with AsyncClient(stack.target) as client:
+            # input still open when the first audio is ready: held until 1.5 s after its tokens
+            # (far longer than the small model takes, so only the hold can explain the wait)
+            stream = client.stream(voice)
+            sent = time.perf_counter()
+            await stream.send(tokens)
+            chunks = stream.__aiter__()
+            first = await chunks.__anext__()
+            await stream.end()
+            rest = [c async for c in chunks]
+            check_exactly_once([first, *rest], len(tokens))
+            assert first.received_at - sent >= 1.5
+            assert first.timing.gateway_ms >= 1500  # the hold is the gateway's time
+    finally:
+        await stack.stop()
+    # input ended before the first audio: never held (a 60 s buffer would outlast the test)
+    stack = await start_stack(models, "--start-buffer-ms=60000")
+    try:
+        async with AsyncClient(stack.target) as client:
+            stream = client.stream(voice)
+            await stream.send(tokens)
+            await stream.end()
+
+            async def collect():
+                return [c async for c in stream]
+
+            chunks = await asyncio.wait_for(collect(), 30)
+        check_exactly_once(chunks, len(tokens))
+    finally:
+        await stack.stop()
