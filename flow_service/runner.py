@@ -70,6 +70,18 @@ class BetweenSteps:
     run_urgent: Callable[[Any], None]  # runner thread: run it and hand its results to the loop
 
 
+GRAPH_ROW_STEP = 8
+
+
+def graph_rows(num_rows: int) -> int:
+    """The row bucket a graphed batch is padded to: a power of two up to 8, then a multiple
+    of 8 (a power of two would nearly double a batch of 33; past 8 rows the padding is compute,
+    not launches)."""
+    if num_rows <= GRAPH_ROW_STEP:
+        return 1 << (num_rows - 1).bit_length()
+    return -(-num_rows // GRAPH_ROW_STEP) * GRAPH_ROW_STEP
+
+
 class FlowRunner:
     """`execute(requests)` runs one batch on the worker thread; results come back by row."""
 
@@ -91,8 +103,10 @@ class FlowRunner:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Small batches are launch-bound (~900 kernels per solver step): replaying CUDA graphs
         # cuts a bf16 step at B=1 from 18 to 3.6 ms on an H200. Shapes are bucketed (requests
-        # to a power of two, frames to a multiple) so a few dozen graphs cover the workload;
-        # large batches are compute-bound and run eagerly.
+        # by `graph_rows`, frames to a multiple) so a few dozen graphs cover the workload;
+        # larger batches run eagerly. Eager steps stay launch-bound well past 8 rows at first-
+        # chunk lengths (an H200, bf16, 206 frames: 8, 32 and 64 rows take 259, 274 and 393 ms
+        # per solve; bench/profile_prefix.py), hence --graph-max-batch.
         self.graphs = None
         if cuda_graphs and self.stream is not None:
             from flow_service.model import GraphedEstimator
@@ -118,11 +132,7 @@ class FlowRunner:
         """Batches covering every graph bucket up to `max_frames`, to capture before SERVING."""
         if self.graphs is None:
             return []
-        sizes = [
-            1 << i
-            for i in range(self.graph_max_batch.bit_length())
-            if 1 << i <= self.graph_max_batch
-        ]
+        sizes = sorted({graph_rows(n) for n in range(1, self.graph_max_batch + 1)})
         step = self.graph_frame_multiple
         return [warmup_batch(b, t) for b in sizes for t in range(step, max_frames + 1, step)]
 
@@ -138,10 +148,9 @@ class FlowRunner:
         num = len(requests)
         with torch.cuda.stream(self.stream):
             if self.graphed(num):
-                # Pad the batch to a power of two with copies of a real row (rows are
+                # Pad the batch to its row bucket with copies of a real row (rows are
                 # independent; the copies' outputs are dropped) so the graph shape repeats.
-                bucket = 1 << (num - 1).bit_length()
-                padded = requests + [requests[-1]] * (bucket - num)
+                padded = requests + [requests[-1]] * (graph_rows(num) - num)
                 outputs = self.model.generate(
                     padded,
                     estimator=self.graphs,

@@ -470,3 +470,21 @@ async def test_failing_urgent_batch_fails_only_its_calls(model):
         assert engine.num_preemptions == 1 and len(engine.scheduler) == 0
     finally:
         await stop(server, engine, channel)
+
+
+def test_graph_row_buckets_are_powers_of_two_then_multiples_of_eight():
+    from flow_service.runner import graph_rows
+
+    assert [graph_rows(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64)] == [
+        1,
+        2,
+        4,
+        8,
+        8,
+        16,
+        16,
+        24,
+        40,
+        64,
+    ]
+    assert all(graph_rows(n) >= n for n in range(1, 200))
