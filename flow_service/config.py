@@ -90,7 +90,7 @@ def build_parser() -> EnvParser:
     p.flag(
         "--graph-max-batch",
         type=int,
-        default=8,
+        default=64,
         help="largest batch (requests) run through CUDA graphs; larger ones run eagerly",
     )
     p.flag(
@@ -182,7 +182,7 @@ class FlowConfig:
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
     max_voices: int = 1024
     cuda_graphs: bool = True
-    graph_max_batch: int = 8
+    graph_max_batch: int = 64
     preempt: bool = True
     log_batches: bool = False
 

@@ -57,7 +57,7 @@ class FlowEngine:
         policy: BatchPolicy,
         log_batches: bool = False,
         cuda_graphs: bool = True,
-        graph_max_batch: int = 8,
+        graph_max_batch: int = 64,
         graph_frame_multiple: int = 100,
         preempt: bool = True,
         cost: CostModel | None = None,

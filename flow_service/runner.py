@@ -90,7 +90,7 @@ class FlowRunner:
         model: FlowModel,
         prefix_cache: PrefixCache | None = None,
         cuda_graphs: bool = True,
-        graph_max_batch: int = 8,
+        graph_max_batch: int = 64,
         graph_frame_multiple: int = 100,
     ):
         self.model = model
@@ -106,7 +106,8 @@ class FlowRunner:
         # by `graph_rows`, frames to a multiple) so a few dozen graphs cover the workload;
         # larger batches run eagerly. Eager steps stay launch-bound well past 8 rows at first-
         # chunk lengths (an H200, bf16, 206 frames: 8, 32 and 64 rows take 259, 274 and 393 ms
-        # per solve; bench/profile_prefix.py), hence --graph-max-batch.
+        # per solve; bench/profile_prefix.py), hence --graph-max-batch 64 (closed loop of 64 streams,
+        # first chunk p50/p95 1014/1445 -> 585/797 ms; docs/BENCHMARKS.md).
         self.graphs = None
         if cuda_graphs and self.stream is not None:
             from flow_service.model import GraphedEstimator
