@@ -302,3 +302,50 @@ def test_blocks_spread_over_several_slabs(model, monkeypatch):
         assert_close(got, reference(model, [s1[k], s2[k]]))
     assert cache.stats["hits"] == 4
     assert sum(s is not None for s in cache._slabs) >= 4
+
+
+@pytest.mark.parametrize(
+    "uniform, slices, layers",
+    [(True, True, 3), (True, True, 1), (True, False, 2), (False, True, 2), (False, False, 1)],
+)
+def test_kv_assembly_paths_agree(model, monkeypatch, uniform, slices, layers):
+    """Every way the solve assembles keys/values gives the same bits: new frames by one slice
+    copy (rows sharing prefix and query count) or by index copy; pool <-> buffer moves as
+    strided copies (evenly spaced block ids) or index_select / index_copy_; the buffer holding
+    all 3 layers of the small preset, or groups of 1 or 2 (the last group shorter)."""
+    import flow_service.model.prefix_cache as pc
+
+    made = []
+    init = pc._KVAssembler.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(pc._KVAssembler, "__init__", spy)
+    streams = [stream_calls(make_voice(20 + i, 35), f"u{i}", 230, seed=100 + i) for i in range(3)]
+    batches = [[s[k] for s in streams] for k in range(3)]  # call k of 3 streams: uniform rows
+    batches.append([streams[0][3], streams[1][0], streams[2][3]])  # mixed prefixes and lengths
+
+    def run() -> list[torch.Tensor]:
+        cache = new_cache(model, share_voice_blocks=False)
+        out = []
+        for batch in batches:
+            rows, t = 2 * len(batch), max(c.num_seq_frames for c in batch)
+            per_layer = 2 * rows * t * model.cfg.dit.dim * 4  # K and V, fp32
+            monkeypatch.setattr(pc, "KV_BUFFER_BYTES", layers * per_layer)
+            out += model.generate(batch, prefix_cache=cache)
+        assert cache.stats["hits"] >= 6
+        return out
+
+    default = run()
+    made.clear()
+    monkeypatch.setattr(pc._KVAssembler, "allow_uniform", uniform)
+    monkeypatch.setattr(pc._KVAssembler, "allow_slices", slices)
+    got = run()
+    assert all(torch.equal(g, w) for g, w in zip(got, default, strict=True))
+    assert_close(got, reference(model, [c for batch in batches for c in batch]))
+    assert [a.group for a in made] == [layers] * len(batches)
+    assert [a.uniform for a in made] == [uniform] * 3 + [False]
+    moves = [m for a in made for m in a.reads + a.stores]
+    assert moves and any(isinstance(sel, slice) for _, sel, _ in moves) == slices
