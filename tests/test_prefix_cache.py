@@ -349,3 +349,18 @@ def test_kv_assembly_paths_agree(model, monkeypatch, uniform, slices, layers):
     assert [a.uniform for a in made] == [uniform] * 3 + [False]
     moves = [m for a in made for m in a.reads + a.stores]
     assert moves and any(isinstance(sel, slice) for _, sel, _ in moves) == slices
+
+
+def test_a_rows_store_never_evicts_what_a_later_row_of_the_batch_reads(model):
+    """Every row's prefix is pinned before any row allocates: with the pool full, the first
+    row of a batch gets no new blocks rather than evicting the second row's entry."""
+    a = stream_calls(make_voice(30, 35), "pa", 230, seed=110)
+    b = stream_calls(make_voice(31, 35), "pb", 230, seed=111)
+    cache = new_cache(model, budget_blocks=6, share_voice_blocks=False)
+    model.generate([a[0]], prefix_cache=cache)
+    model.generate([b[0]], prefix_cache=cache)
+    assert cache.used_blocks == cache.capacity == 6  # 3 blocks each
+    got = model.generate([a[1], b[1]], prefix_cache=cache)
+    assert_close(got, reference(model, [a[1], b[1]]))
+    assert cache.stats["hits"] == 2 and cache.stats["evictions"] == 0
+    assert cache.stats["reused_frames"] == a[0].num_seq_frames + b[0].num_seq_frames

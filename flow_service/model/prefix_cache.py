@@ -249,7 +249,7 @@ class PrefixCache:
 
     def plan(self, requests: Sequence[FlowRequest]) -> PrefixPlan:
         """Look up and pin each row's cached prefix, allocate blocks for what it will store."""
-        rows = []
+        rows, stores = [], []
         with self._lock:
             pinned_keys: set = set()
             for req in requests:
@@ -286,8 +286,11 @@ class PrefixCache:
                     self._count(kind)
                 elif limit > 0:
                     self._count("misses")
-                if req.finalize:
-                    continue
+                if not req.finalize:
+                    stores.append((row, req, key, vkey, ids))
+            # Stores only after every row's prefix is pinned: a row's new blocks never evict
+            # the entry a later row of the same batch reads (they would only get fewer blocks).
+            for row, req, key, vkey, ids in stores:
                 # Blocks complete in this call whose mu read real tokens only: all of them for
                 # a non-final call (its lookahead tokens produce no frames).
                 end = req.num_seq_frames // self.block
