@@ -305,15 +305,26 @@ def test_blocks_spread_over_several_slabs(model, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "uniform, slices, layers",
-    [(True, True, 3), (True, True, 1), (True, False, 2), (False, True, 2), (False, False, 1)],
+    "uniform, slices, layers, slab_blocks",
+    [
+        (True, True, 3, None),
+        (True, True, 1, 2),
+        (True, False, 2, 3),
+        (False, True, 2, None),
+        (False, False, 1, 2),
+    ],
 )
-def test_kv_assembly_paths_agree(model, monkeypatch, uniform, slices, layers):
+def test_kv_assembly_paths_agree(model, monkeypatch, uniform, slices, layers, slab_blocks):
     """Every way the solve assembles keys/values gives the same bits: new frames by one slice
     copy (rows sharing prefix and query count) or by index copy; pool <-> buffer moves as
-    strided copies (evenly spaced block ids) or index_select / index_copy_; the buffer holding
-    all 3 layers of the small preset, or groups of 1 or 2 (the last group shorter)."""
+    strided copies (evenly spaced block ids) or index_select / index_copy_, per run of rows in
+    one slab (slabs of 2 or 3 blocks split the runs); the buffer holding all 3 layers of the
+    small preset, or groups of 1 or 2 (the last group shorter)."""
     import flow_service.model.prefix_cache as pc
+
+    if slab_blocks:
+        probe = PrefixCache.for_model(model, 0)
+        monkeypatch.setattr(pc, "SLAB_BYTES", slab_blocks * probe.block_bytes)
 
     made = []
     init = pc._KVAssembler.__init__

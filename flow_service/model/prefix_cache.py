@@ -409,7 +409,10 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     row = t.shape[-1] * t.element_size()
     for wide in (torch.int64, torch.int32, torch.int16):
         if row % wide.itemsize == 0 and wide.itemsize >= t.element_size():
-            return t.view(wide)
+            try:
+                return t.view(wide)
+            except RuntimeError:  # strides or offset not a multiple of the word: as is
+                return t
     return t
 
 
@@ -495,7 +498,8 @@ class _KVAssembler:
             self.allow_uniform and bool((prefix == p0).all()) and bool((num_queries == q0).all())
         )
         if self.uniform:
-            self.new_slice = slice(p0, p0 + q0)
+            new = [buf[i, kv, :, p0 : p0 + q0] for i in range(self.group) for kv in (0, 1)]
+            self.new_views = [(x, _words(x)) for x in new]  # [2 i + kv]: (r, q, d), as words
         else:
             rows = torch.arange(r)[:, None]
             q = torch.arange(q_max)[None, :]
@@ -536,11 +540,15 @@ class _KVAssembler:
         if i == 0:
             self._move(self.reads, first, n, store=False)
         if self.uniform:
-            self.keys[i][:, self.new_slice].copy_(k)
-            self.values[i][:, self.new_slice].copy_(v)
+            for new, (dst, dst_words) in zip((k, v), self.new_views[2 * i : 2 * i + 2]):
+                src = _words(new)
+                if src.dtype == dst_words.dtype:
+                    dst_words.copy_(src)
+                else:
+                    dst.copy_(new)
         else:
             for new, flat in zip((k, v), self.flat[i], strict=True):
-                new_flat = _words(new.reshape(-1, new.shape[-1]))
+                new_flat = _words(new.reshape(-1, new.shape[-1]).contiguous())
                 flat.index_copy_(0, self.new_dst, new_flat.index_select(0, self.new_src))
         if i == n - 1:
             self._move(self.stores, first, n, store=True)
