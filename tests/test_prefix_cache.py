@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -375,3 +376,43 @@ def test_a_rows_store_never_evicts_what_a_later_row_of_the_batch_reads(model):
     assert_close(got, reference(model, [a[1], b[1]]))
     assert cache.stats["hits"] == 2 and cache.stats["evictions"] == 0
     assert cache.stats["reused_frames"] == a[0].num_seq_frames + b[0].num_seq_frames
+
+
+def test_uniform_batch_kv_hook_launches(model, monkeypatch):
+    """The ops (kernel launches on a GPU) the K/V hook dispatches for a batch of streams at the
+    same call: per step, one copy per layer for K and one for V (the new frames), one per block
+    column of the prefix for all layers at once, one per stored block column. Views excluded.
+    Before the per-group assembly it was 12 index_select / index_copy_ per layer and step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import flow_service.model.prefix_cache as pc
+
+    ops: Counter = Counter()
+    inside = [False]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if inside[0] and not func.is_view:
+                ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    assemble = pc._KVAssembler._assemble
+
+    def counted(self, *args):
+        inside[0] = True
+        try:
+            return assemble(self, *args)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(pc._KVAssembler, "_assemble", counted)
+    streams = [stream_calls(make_voice(40 + i, 35), f"k{i}", 230, seed=120 + i) for i in range(2)]
+    cache = new_cache(model, share_voice_blocks=False)
+    model.generate([s[0] for s in streams], prefix_cache=cache)
+    with Count():
+        model.generate([s[1] for s in streams], prefix_cache=cache)
+    prefix_blocks = streams[0][0].num_seq_frames // cache.block
+    new_blocks = streams[0][1].num_seq_frames // cache.block - prefix_blocks
+    assert prefix_blocks == 3 and new_blocks == 2
+    per_step = 2 * cache.depth + prefix_blocks + new_blocks
+    assert ops == {"copy_": cache.num_steps * per_step}
