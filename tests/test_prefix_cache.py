@@ -306,7 +306,7 @@ def test_blocks_spread_over_several_slabs(model, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "uniform, slices, layers, slab_blocks",
+    "sliced, slices, layers, slab_blocks",
     [
         (True, True, 3, None),
         (True, True, 1, 2),
@@ -315,9 +315,9 @@ def test_blocks_spread_over_several_slabs(model, monkeypatch):
         (False, False, 1, 2),
     ],
 )
-def test_kv_assembly_paths_agree(model, monkeypatch, uniform, slices, layers, slab_blocks):
-    """Every way the solve assembles keys/values gives the same bits: new frames by one slice
-    copy (rows sharing prefix and query count) or by index copy; pool <-> buffer moves as
+def test_kv_assembly_paths_agree(model, monkeypatch, sliced, slices, layers, slab_blocks):
+    """Every way the solve assembles keys/values gives the same bits: new frames by a slice
+    copy per run of rows sharing prefix and query count, or by index copy; pool <-> buffer moves as
     strided copies (evenly spaced block ids) or index_select / index_copy_, per run of rows in
     one slab (slabs of 2 or 3 blocks split the runs); the buffer holding all 3 layers of the
     small preset, or groups of 1 or 2 (the last group shorter)."""
@@ -337,7 +337,8 @@ def test_kv_assembly_paths_agree(model, monkeypatch, uniform, slices, layers, sl
     monkeypatch.setattr(pc._KVAssembler, "__init__", spy)
     streams = [stream_calls(make_voice(20 + i, 35), f"u{i}", 230, seed=100 + i) for i in range(3)]
     batches = [[s[k] for s in streams] for k in range(3)]  # call k of 3 streams: uniform rows
-    batches.append([streams[0][3], streams[1][0], streams[2][3]])  # mixed prefixes and lengths
+    batches.append([streams[0][3], streams[1][0], streams[2][3]])  # 3 runs: index copy
+    batches.append([streams[1][1], streams[1][1], streams[1][0]])  # 2 runs
 
     def run() -> list[torch.Tensor]:
         cache = new_cache(model, share_voice_blocks=False)
@@ -352,13 +353,14 @@ def test_kv_assembly_paths_agree(model, monkeypatch, uniform, slices, layers, sl
 
     default = run()
     made.clear()
-    monkeypatch.setattr(pc._KVAssembler, "allow_uniform", uniform)
-    monkeypatch.setattr(pc._KVAssembler, "allow_slices", slices)
+    monkeypatch.setattr(pc._KVAssembler, "allow_slice_new", sliced)
+    monkeypatch.setattr(pc._KVAssembler, "allow_slice_moves", slices)
     got = run()
     assert all(torch.equal(g, w) for g, w in zip(got, default, strict=True))
     assert_close(got, reference(model, [c for batch in batches for c in batch]))
     assert [a.group for a in made] == [layers] * len(batches)
-    assert [a.uniform for a in made] == [uniform] * 3 + [False]
+    assert [a.sliced for a in made] == [sliced] * 3 + [False, sliced]
+    assert [len(a.runs) for a in made if a.sliced] == ([1, 1, 1, 2] if sliced else [])
     moves = [m for a in made for m in a.reads + a.stores]
     assert moves and any(isinstance(sel, slice) for _, sel, _ in moves) == slices
 

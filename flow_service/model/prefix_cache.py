@@ -401,6 +401,7 @@ class PrefixCache:
 # layer's K and V = 2 r t d x dtype size); e.g. 64 rows x 506 frames, bf16, d 1024: 265 MB a
 # layer, 8 layers a group (2.1 GB), where one layer (265 MB) was used before.
 KV_BUFFER_BYTES = 2 << 30
+SLICE_RUNS = 2  # new frames: up to this many slice copies per layer, else one index copy
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -434,13 +435,15 @@ class _KVAssembler:
     cached prefix is copied from the pool for all its layers, K and V at once: one copy per
     block column and run of consecutive rows whose blocks of that column lie in one slab (a
     strided copy when their ids are evenly spaced, as blocks allocated together are, else an
-    index_select straight into the buffer). Each layer then places its new frames (one slice
-    copy for K and one for V when all rows share prefix and query count, else an index copy).
+    index_select straight into the buffer). Each layer then places its new frames: one slice
+    copy for K and one for V per run of neighbouring rows sharing prefix and query count (one
+    run in a batch of one call index of many streams), or an index copy past SLICE_RUNS runs.
     After a group's last layer the new complete blocks of all its layers go to the pool the same
     way as the prefix came. Everything here copies bits (exact)."""
 
-    allow_uniform = True  # tests switch the fast paths off to compare with the general ones
-    allow_slices = True
+    # Tests switch the slice copies off to compare with the index copies.
+    allow_slice_new = True  # new frames
+    allow_slice_moves = True  # pool <-> buffer
 
     def __init__(self, cache: PrefixCache, plan: PrefixPlan, prefix, num_queries, num_keys, dev):
         b = len(plan.rows)
@@ -449,7 +452,7 @@ class _KVAssembler:
         self.cache = cache
         self.step = 0
         layer_bytes = 2 * r * num_keys * d * cache.dtype.itemsize
-        self.group = max(1, min(depth, KV_BUFFER_BYTES // layer_bytes))
+        self.group = max(1, min(depth, KV_BUFFER_BYTES // max(1, layer_bytes)))
         buf = torch.zeros((self.group, 2, r, num_keys, d), dtype=cache.dtype, device=dev)
         self.keys = [buf[i, 0] for i in range(self.group)]  # (r, t, d) contiguous each
         self.values = [buf[i, 1] for i in range(self.group)]
@@ -475,7 +478,9 @@ class _KVAssembler:
                 (i0, f, first), i1 = run[0], run[-1][0] + 1
                 local = [cache.locate(x[2])[1] for x in run]
                 sel = (
-                    _selector(local, dev) if self.allow_slices else torch.tensor(local, device=dev)
+                    _selector(local, dev)
+                    if self.allow_slice_moves
+                    else torch.tensor(local, device=dev)
                 )
                 view = by_row[:, :, :, i0:i1, f : f + blk].transpose(2, 3)
                 result.append((cache.locate(first)[0], sel, view))
@@ -492,14 +497,31 @@ class _KVAssembler:
             ]
         )
         self.pool_words: dict[int, torch.Tensor] = {}
-        # The new frames: query q of row r goes to key position prefix_r + q.
-        p0, q0 = int(prefix[0]), int(num_queries[0])
-        self.uniform = (
-            self.allow_uniform and bool((prefix == p0).all()) and bool((num_queries == q0).all())
-        )
-        if self.uniform:
-            new = [buf[i, kv, :, p0 : p0 + q0] for i in range(self.group) for kv in (0, 1)]
-            self.new_views = [(x, _words(x)) for x in new]  # [2 i + kv]: (r, q, d), as words
+        # The new frames: query q of row r goes to key position prefix_r + q. Rows next to each
+        # other with the same prefix and query count (all of them in a batch of one call index
+        # of many streams) take one slice copy for both CFG halves; more than SLICE_RUNS such
+        # runs take one index copy.
+        runs: list[list[int]] = []  # [first row, end row, prefix, queries]
+        for i, (p, q) in enumerate(zip(prefix.tolist(), num_queries.tolist(), strict=True)):
+            if runs and runs[-1][2:] == [p, q]:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1, p, q])
+        self.sliced = self.allow_slice_new and len(runs) <= SLICE_RUNS
+        if self.sliced:
+
+            def place(layer: int, kv: int, a: int, e: int, p: int, q: int) -> torch.Tensor:
+                keys = buf[layer, kv]  # (r, t, d)
+                if len(runs) > 1:
+                    keys = keys.unflatten(0, (2, b))[:, a:e]  # (2, rows of the run, t, d)
+                return keys[..., p : p + q, :]
+
+            self.new_views = [  # [2 layer + kv][run]: (destination, as words)
+                [(x, _words(x)) for x in (place(i, kv, *run) for run in runs)]
+                for i in range(self.group)
+                for kv in (0, 1)
+            ]
+            self.runs = runs
         else:
             rows = torch.arange(r)[:, None]
             q = torch.arange(q_max)[None, :]
@@ -539,13 +561,15 @@ class _KVAssembler:
         n = min(self.group, self.cache.depth - first)
         if i == 0:
             self._move(self.reads, first, n, store=False)
-        if self.uniform:
-            for new, (dst, dst_words) in zip((k, v), self.new_views[2 * i : 2 * i + 2]):
-                src = _words(new)
-                if src.dtype == dst_words.dtype:
-                    dst_words.copy_(src)
-                else:
-                    dst.copy_(new)
+        if self.sliced:
+            for new, views in zip((k, v), self.new_views[2 * i : 2 * i + 2]):
+                for (dst, dst_words), (a, e, _, q) in zip(views, self.runs, strict=True):
+                    src = new if len(views) == 1 else new.unflatten(0, (2, -1))[:, a:e, :q]
+                    src_words = _words(src)
+                    if src_words.dtype == dst_words.dtype:
+                        dst_words.copy_(src_words)
+                    else:
+                        dst.copy_(src)
         else:
             for new, flat in zip((k, v), self.flat[i], strict=True):
                 new_flat = _words(new.reshape(-1, new.shape[-1]).contiguous())
