@@ -43,9 +43,10 @@ from flow_service.model.dit import ragged_attention_bias
 from flow_service.model.requests import FlowRequest
 
 # Pool tensors of about this size, each (steps, layers, {K,V}, blocks, {cond,uncond}, block, d),
-# allocated when first needed (uninitialised: a block is fully written before it is read). Each
-# slab a batch touches costs 4 small kernels per layer and step, so slabs are large (a 55 GB
-# budget is 7 of them) and free blocks are handed out lowest id first.
+# allocated when first needed (uninitialised: a block is fully written before it is read). A
+# slab boundary splits the runs of rows one copy covers (one copy per block column and run, per
+# group of layers and step), so slabs are large (a 55 GB budget is 7 of them) and free blocks are
+# handed out lowest id first (a row's blocks, and the rows of a batch, get consecutive ids).
 SLAB_BYTES = 8 << 30
 
 
