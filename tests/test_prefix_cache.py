@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -302,3 +303,118 @@ def test_blocks_spread_over_several_slabs(model, monkeypatch):
         assert_close(got, reference(model, [s1[k], s2[k]]))
     assert cache.stats["hits"] == 4
     assert sum(s is not None for s in cache._slabs) >= 4
+
+
+@pytest.mark.parametrize(
+    "sliced, slices, layers, slab_blocks",
+    [
+        (True, True, 3, None),
+        (True, True, 1, 2),
+        (True, False, 2, 3),
+        (False, True, 2, None),
+        (False, False, 1, 2),
+    ],
+)
+def test_kv_assembly_paths_agree(model, monkeypatch, sliced, slices, layers, slab_blocks):
+    """Every way the solve assembles keys/values gives the same bits: new frames by a slice
+    copy per run of rows sharing prefix and query count, or by index copy; pool <-> buffer moves as
+    strided copies (evenly spaced block ids) or index_select / index_copy_, per run of rows in
+    one slab (slabs of 2 or 3 blocks split the runs); the buffer holding all 3 layers of the
+    small preset, or groups of 1 or 2 (the last group shorter)."""
+    import flow_service.model.prefix_cache as pc
+
+    if slab_blocks:
+        probe = PrefixCache.for_model(model, 0)
+        monkeypatch.setattr(pc, "SLAB_BYTES", slab_blocks * probe.block_bytes)
+
+    made = []
+    init = pc._KVAssembler.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(pc._KVAssembler, "__init__", spy)
+    streams = [stream_calls(make_voice(20 + i, 35), f"u{i}", 230, seed=100 + i) for i in range(3)]
+    batches = [[s[k] for s in streams] for k in range(3)]  # call k of 3 streams: uniform rows
+    batches.append([streams[0][3], streams[1][0], streams[2][3]])  # 3 runs: index copy
+    batches.append([streams[1][1], streams[1][1], streams[1][0]])  # 2 runs
+
+    def run() -> list[torch.Tensor]:
+        cache = new_cache(model, share_voice_blocks=False)
+        out = []
+        for batch in batches:
+            rows, t = 2 * len(batch), max(c.num_seq_frames for c in batch)
+            per_layer = 2 * rows * t * model.cfg.dit.dim * 4  # K and V, fp32
+            monkeypatch.setattr(pc, "KV_BUFFER_BYTES", layers * per_layer)
+            out += model.generate(batch, prefix_cache=cache)
+        assert cache.stats["hits"] >= 6
+        return out
+
+    default = run()
+    made.clear()
+    monkeypatch.setattr(pc._KVAssembler, "allow_slice_new", sliced)
+    monkeypatch.setattr(pc._KVAssembler, "allow_slice_moves", slices)
+    got = run()
+    assert all(torch.equal(g, w) for g, w in zip(got, default, strict=True))
+    assert_close(got, reference(model, [c for batch in batches for c in batch]))
+    assert [a.group for a in made] == [layers] * len(batches)
+    assert [a.sliced for a in made] == [sliced] * 3 + [False, sliced]
+    assert [len(a.runs) for a in made if a.sliced] == ([1, 1, 1, 2] if sliced else [])
+    moves = [m for a in made for m in a.reads + a.stores]
+    assert moves and any(isinstance(sel, slice) for _, sel, _ in moves) == slices
+
+
+def test_a_rows_store_never_evicts_what_a_later_row_of_the_batch_reads(model):
+    """Every row's prefix is pinned before any row allocates: with the pool full, the first
+    row of a batch gets no new blocks rather than evicting the second row's entry."""
+    a = stream_calls(make_voice(30, 35), "pa", 230, seed=110)
+    b = stream_calls(make_voice(31, 35), "pb", 230, seed=111)
+    cache = new_cache(model, budget_blocks=6, share_voice_blocks=False)
+    model.generate([a[0]], prefix_cache=cache)
+    model.generate([b[0]], prefix_cache=cache)
+    assert cache.used_blocks == cache.capacity == 6  # 3 blocks each
+    got = model.generate([a[1], b[1]], prefix_cache=cache)
+    assert_close(got, reference(model, [a[1], b[1]]))
+    assert cache.stats["hits"] == 2 and cache.stats["evictions"] == 0
+    assert cache.stats["reused_frames"] == a[0].num_seq_frames + b[0].num_seq_frames
+
+
+def test_uniform_batch_kv_hook_launches(model, monkeypatch):
+    """The ops (kernel launches on a GPU) the K/V hook dispatches for a batch of streams at the
+    same call: per step, one copy per layer for K and one for V (the new frames), one per block
+    column of the prefix for all layers at once, one per stored block column. Views excluded.
+    Before the per-group assembly it was 12 index_select / index_copy_ per layer and step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import flow_service.model.prefix_cache as pc
+
+    ops: Counter = Counter()
+    inside = [False]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if inside[0] and not func.is_view:
+                ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    assemble = pc._KVAssembler._assemble
+
+    def counted(self, *args):
+        inside[0] = True
+        try:
+            return assemble(self, *args)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(pc._KVAssembler, "_assemble", counted)
+    streams = [stream_calls(make_voice(40 + i, 35), f"k{i}", 230, seed=120 + i) for i in range(2)]
+    cache = new_cache(model, share_voice_blocks=False)
+    model.generate([s[0] for s in streams], prefix_cache=cache)
+    with Count():
+        model.generate([s[1] for s in streams], prefix_cache=cache)
+    prefix_blocks = streams[0][0].num_seq_frames // cache.block
+    new_blocks = streams[0][1].num_seq_frames // cache.block - prefix_blocks
+    assert prefix_blocks == 3 and new_blocks == 2
+    per_step = 2 * cache.depth + prefix_blocks + new_blocks
+    assert ops == {"copy_": cache.num_steps * per_step}

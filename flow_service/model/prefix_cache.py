@@ -43,9 +43,10 @@ from flow_service.model.dit import ragged_attention_bias
 from flow_service.model.requests import FlowRequest
 
 # Pool tensors of about this size, each (steps, layers, {K,V}, blocks, {cond,uncond}, block, d),
-# allocated when first needed (uninitialised: a block is fully written before it is read). Each
-# slab a batch touches costs 4 small kernels per layer and step, so slabs are large (a 55 GB
-# budget is 7 of them) and free blocks are handed out lowest id first.
+# allocated when first needed (uninitialised: a block is fully written before it is read). A
+# slab boundary splits the runs of rows one copy covers (one copy per block column and run, per
+# group of layers and step), so slabs are large (a 55 GB budget is 7 of them) and free blocks are
+# handed out lowest id first (a row's blocks, and the rows of a batch, get consecutive ids).
 SLAB_BYTES = 8 << 30
 
 
@@ -249,7 +250,7 @@ class PrefixCache:
 
     def plan(self, requests: Sequence[FlowRequest]) -> PrefixPlan:
         """Look up and pin each row's cached prefix, allocate blocks for what it will store."""
-        rows = []
+        rows, stores = [], []
         with self._lock:
             pinned_keys: set = set()
             for req in requests:
@@ -286,8 +287,11 @@ class PrefixCache:
                     self._count(kind)
                 elif limit > 0:
                     self._count("misses")
-                if req.finalize:
-                    continue
+                if not req.finalize:
+                    stores.append((row, req, key, vkey, ids))
+            # Stores only after every row's prefix is pinned: a row's new blocks never evict
+            # the entry a later row of the same batch reads (they would only get fewer blocks).
+            for row, req, key, vkey, ids in stores:
                 # Blocks complete in this call whose mu read real tokens only: all of them for
                 # a non-final call (its lookahead tokens produce no frames).
                 end = req.num_seq_frames // self.block
@@ -391,67 +395,189 @@ class PrefixCache:
 
 
 # -- the solve ----------------------------------------------------------------------------------
+# The keys/values one solve assembles at a time: all rows, all key frames, K and V of a group
+# of consecutive layers, (layers, {K, V}, r, t, d). The cached prefix of a whole group is
+# gathered in one pass per (block column, run of rows in one slab) and its new blocks stored
+# likewise, instead of per layer. Extra memory per batch: at most max(KV_BUFFER_BYTES, one
+# layer's K and V = 2 r t d x dtype size); e.g. 64 rows x 506 frames, bf16, d 1024: 265 MB a
+# layer, 8 layers a group (2.1 GB), where one layer (265 MB) was used before.
+KV_BUFFER_BYTES = 2 << 30
+SLICE_RUNS = 2  # new frames: up to this many slice copies per layer, else one index copy
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """`t` viewed as the widest integers its rows allow (int64 for d x 2 bytes % 8 == 0): the
+    copies below move bits only, and index kernels run per element, so 4x fewer of them."""
+    row = t.shape[-1] * t.element_size()
+    for wide in (torch.int64, torch.int32, torch.int16):
+        if row % wide.itemsize == 0 and wide.itemsize >= t.element_size():
+            try:
+                return t.view(wide)
+            except RuntimeError:  # strides or offset not a multiple of the word: as is
+                return t
+    return t
+
+
+def _selector(ids: list[int], dev) -> slice | torch.Tensor:
+    """Block ids as a slice when they are evenly spaced (a plain strided copy), else an index
+    tensor (a gather / scatter kernel)."""
+    step = ids[1] - ids[0] if len(ids) > 1 else 1
+    if step > 0 and all(b - a == step for a, b in zip(ids, ids[1:], strict=False)):
+        return slice(ids[0], ids[-1] + 1, step)
+    return torch.tensor(ids, device=dev)
+
+
 class _KVAssembler:
     """The attention hook of one solve: per (step, layer), the keys/values of every row at
-    absolute positions, (r, t, d): the cached prefix gathered from the pool, then the new frames;
-    and the new frames of stored blocks written into the pool. Index tensors are built once per
-    solve; each layer then costs a few gather/scatter kernels per slab."""
+    absolute positions, (r, t, d): the cached prefix from the pool, then the new frames; and
+    the new frames of stored blocks written into the pool.
+
+    Layers go in groups sharing one buffer (KV_BUFFER_BYTES). At a group's first layer, its
+    cached prefix is copied from the pool for all its layers, K and V at once: one copy per
+    block column and run of consecutive rows whose blocks of that column lie in one slab (a
+    strided copy when their ids are evenly spaced, as blocks allocated together are, else an
+    index_select straight into the buffer). Each layer then places its new frames: one slice
+    copy for K and one for V per run of neighbouring rows sharing prefix and query count (one
+    run in a batch of one call index of many streams), or an index copy past SLICE_RUNS runs.
+    After a group's last layer the new complete blocks of all its layers go to the pool the same
+    way as the prefix came. Everything here copies bits (exact)."""
+
+    # Tests switch the slice copies off to compare with the index copies.
+    allow_slice_new = True  # new frames
+    allow_slice_moves = True  # pool <-> buffer
 
     def __init__(self, cache: PrefixCache, plan: PrefixPlan, prefix, num_queries, num_keys, dev):
         b = len(plan.rows)
-        blk, d = cache.block, cache.dim
+        r, blk, d, depth = 2 * b, cache.block, cache.dim, cache.depth
         q_max = int(num_queries.max())
         self.cache = cache
         self.step = 0
-        # Block placements per slab: (local block ids, flat row offset of each (block, CFG row)
-        # pair in the destination), row-major like the gathered (blocks, 2, blk, d) tensor.
-        reads: dict[int, tuple[list[int], list[int]]] = {}
-        stores: dict[int, tuple[list[int], list[int]]] = {}
-        for i, row in enumerate(plan.rows):
-            for j, block_id in enumerate(row.read):
-                s, local = cache.locate(block_id)
-                ids, bases = reads.setdefault(s, ([], []))
-                ids.append(local)
-                bases += [(i + cfg * b) * num_keys + j * blk for cfg in (0, 1)]
-            for j, block_id in enumerate(row.new):
-                s, local = cache.locate(block_id)
-                ids, bases = stores.setdefault(s, ([], []))
-                ids.append(local)
-                first_query = j * blk  # the new blocks start at the row's first query
-                bases += [(i + cfg * b) * q_max + first_query for cfg in (0, 1)]
-        frame = torch.arange(blk)
+        layer_bytes = 2 * r * num_keys * d * cache.dtype.itemsize
+        self.group = max(1, min(depth, KV_BUFFER_BYTES // max(1, layer_bytes)))
+        buf = torch.zeros((self.group, 2, r, num_keys, d), dtype=cache.dtype, device=dev)
+        self.keys = [buf[i, 0] for i in range(self.group)]  # (r, t, d) contiguous each
+        self.values = [buf[i, 1] for i in range(self.group)]
+        words = _words(buf)
+        by_row = words.unflatten(2, (2, b))  # (layers, 2, {cond, uncond}, b, t, w)
 
-        def placed(ids: list[int], bases: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-            rows = (torch.tensor(bases)[:, None] + frame).flatten()
-            return torch.tensor(ids, device=dev), rows.to(dev)
+        def moves(placed: list[tuple[int, int, int]]) -> list[tuple]:
+            """(slab, block selector, buffer view (layers, 2, n, 2, blk, w)) per run of
+            consecutive rows with the same frame offset and slab; `placed` holds
+            (row, frame offset, block id)."""
+            out, run = [], []
+            for item in sorted(placed, key=lambda x: (x[1], x[0])):
+                i, f, block_id = item
+                if run:
+                    i0, f0, b0 = run[-1]
+                    if i != i0 + 1 or f != f0 or cache.locate(block_id)[0] != cache.locate(b0)[0]:
+                        out.append(run)
+                        run = []
+                run.append(item)
+            out += [run] if run else []
+            result = []
+            for run in out:
+                (i0, f, first), i1 = run[0], run[-1][0] + 1
+                local = [cache.locate(x[2])[1] for x in run]
+                sel = (
+                    _selector(local, dev)
+                    if self.allow_slice_moves
+                    else torch.tensor(local, device=dev)
+                )
+                view = by_row[:, :, :, i0:i1, f : f + blk].transpose(2, 3)
+                result.append((cache.locate(first)[0], sel, view))
+            return result
 
-        self.reads = [(s, *placed(*v)) for s, v in reads.items()]
-        self.stores = [(s, *placed(*v)) for s, v in stores.items()]
-        # The new frames: query q of row r goes to key position prefix_r + q.
-        rows = torch.arange(2 * b)[:, None]
-        q = torch.arange(q_max)[None, :]
-        valid = q < num_queries.repeat(2)[:, None]
-        self.new_src = (rows * q_max + q)[valid].to(dev)
-        self.new_dst = (rows * num_keys + prefix.repeat(2)[:, None] + q)[valid].to(dev)
-        shape = (2 * b, num_keys, d)
-        self.bufs = [torch.zeros(shape, dtype=cache.dtype, device=dev) for _ in range(2)]
+        self.reads = moves(
+            [(i, j * blk, x) for i, row in enumerate(plan.rows) for j, x in enumerate(row.read)]
+        )
+        self.stores = moves(
+            [
+                (i, row.prefix + j * blk, x)  # the new blocks start at the row's first query
+                for i, row in enumerate(plan.rows)
+                for j, x in enumerate(row.new)
+            ]
+        )
+        self.pool_words: dict[int, torch.Tensor] = {}
+        # The new frames: query q of row r goes to key position prefix_r + q. Rows next to each
+        # other with the same prefix and query count (all of them in a batch of one call index
+        # of many streams) take one slice copy for both CFG halves; more than SLICE_RUNS such
+        # runs take one index copy.
+        runs: list[list[int]] = []  # [first row, end row, prefix, queries]
+        for i, (p, q) in enumerate(zip(prefix.tolist(), num_queries.tolist(), strict=True)):
+            if runs and runs[-1][2:] == [p, q]:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1, p, q])
+        self.sliced = self.allow_slice_new and len(runs) <= SLICE_RUNS
+        if self.sliced:
+
+            def place(layer: int, kv: int, a: int, e: int, p: int, q: int) -> torch.Tensor:
+                keys = buf[layer, kv]  # (r, t, d)
+                if len(runs) > 1:
+                    keys = keys.unflatten(0, (2, b))[:, a:e]  # (2, rows of the run, t, d)
+                return keys[..., p : p + q, :]
+
+            self.new_views = [  # [2 layer + kv][run]: (destination, as words)
+                [(x, _words(x)) for x in (place(i, kv, *run) for run in runs)]
+                for i in range(self.group)
+                for kv in (0, 1)
+            ]
+            self.runs = runs
+        else:
+            rows = torch.arange(r)[:, None]
+            q = torch.arange(q_max)[None, :]
+            valid = q < num_queries.repeat(2)[:, None]
+            self.new_src = (rows * q_max + q)[valid].to(dev)
+            self.new_dst = (rows * num_keys + prefix.repeat(2)[:, None] + q)[valid].to(dev)
+            self.flat = [
+                (_words(k).flatten(0, 1), _words(v).flatten(0, 1))
+                for k, v in zip(self.keys, self.values, strict=True)
+            ]
 
     def layer(self, index: int) -> Callable:
         return lambda k, v: self._assemble(index, k, v)
 
+    def _pool(self, slab: int, first_layer: int, n: int) -> torch.Tensor:
+        """Slab `slab`'s blocks at the current step for n layers: (n, 2, blocks, 2, blk, w)."""
+        words = self.pool_words.get(slab)
+        if words is None:
+            words = self.pool_words[slab] = _words(self.cache.slab(slab))
+        return words[self.step, first_layer : first_layer + n]
+
+    def _move(self, moves: list[tuple], first_layer: int, n: int, store: bool) -> None:
+        for slab, sel, view in moves:
+            pool = self._pool(slab, first_layer, n)
+            view = view if n == self.group else view[:n]
+            if isinstance(sel, slice):
+                dst, src = (pool[:, :, sel], view) if store else (view, pool[:, :, sel])
+                dst.copy_(src)
+            elif store:
+                pool.index_copy_(2, sel, view)
+            else:
+                torch.index_select(pool, 2, sel, out=view)
+
     def _assemble(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        blk, d = self.cache.block, self.cache.dim
-        for kv, (new, buf) in enumerate(zip((k, v), self.bufs)):
-            flat = buf.view(-1, d)
-            for s, blocks, dst in self.reads:
-                part = self.cache.slab(s)[self.step, layer, kv]  # (blocks, 2, blk, d)
-                flat.index_copy_(0, dst, part.index_select(0, blocks).view(-1, d))
-            new_flat = new.reshape(-1, d)
-            flat.index_copy_(0, self.new_dst, new_flat.index_select(0, self.new_src))
-            for s, blocks, src in self.stores:
-                part = self.cache.slab(s)[self.step, layer, kv]
-                part.index_copy_(0, blocks, new_flat.index_select(0, src).view(-1, 2, blk, d))
-        return self.bufs[0], self.bufs[1]
+        group, i = divmod(layer, self.group)
+        first = group * self.group
+        n = min(self.group, self.cache.depth - first)
+        if i == 0:
+            self._move(self.reads, first, n, store=False)
+        if self.sliced:
+            for new, views in zip((k, v), self.new_views[2 * i : 2 * i + 2]):
+                for (dst, dst_words), (a, e, _, q) in zip(views, self.runs, strict=True):
+                    src = new if len(views) == 1 else new.unflatten(0, (2, -1))[:, a:e, :q]
+                    src_words = _words(src)
+                    if src_words.dtype == dst_words.dtype:
+                        dst_words.copy_(src_words)
+                    else:
+                        dst.copy_(src)
+        else:
+            for new, flat in zip((k, v), self.flat[i], strict=True):
+                new_flat = _words(new.reshape(-1, new.shape[-1]).contiguous())
+                flat.index_copy_(0, self.new_dst, new_flat.index_select(0, self.new_src))
+        if i == n - 1:
+            self._move(self.stores, first, n, store=True)
+        return self.keys[i], self.values[i]
 
 
 @dataclass
