@@ -119,16 +119,16 @@ class CausalConvPositionEmbedding(nn.Module):
         self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel, groups=groups), nn.Mish())
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel, groups=groups), nn.Mish())
 
-    def forward(self, h: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """`keep` (r, t, 1) is 0 on frames before position 0 (a prefix-cache window): zero
         there, both stages' inputs are what the left zero pad would give."""
-        num_frames = h.shape[1]
-        y = h.transpose(1, 2)  # (r, d, t)
+        num_frames = hidden.shape[1]
+        y = hidden.transpose(1, 2)  # (r, d, t)
         # cuDNN's heuristic picks, for this fp32 grouped conv at t <= ~210 frames (a first chunk),
         # an algorithm with a 17 GB workspace that runs 100x slower (98 vs 0.9 ms per call on an
         # H200, cuDNN 9). The conv is causal, so zero frames on the right leave every output
         # frame before them unchanged: run short inputs at MIN_FP32_CONV_FRAMES and cut back.
-        floor = MIN_FP32_CONV_FRAMES if h.is_cuda and h.dtype == torch.float32 else 0
+        floor = MIN_FP32_CONV_FRAMES if hidden.is_cuda and hidden.dtype == torch.float32 else 0
         extra = max(0, floor - num_frames)
         y = self.conv1(F.pad(y, (self.kernel - 1, extra)))
         if keep is not None:
@@ -149,15 +149,15 @@ class InputEmbedding(nn.Module):
 
     def forward(self, x, cond, mu, spks, keep=None) -> torch.Tensor:
         spks = spks[:, None, :].expand(-1, x.shape[1], -1)  # (r, t, c)
-        h = self.proj(torch.cat((x, cond, mu, spks), dim=-1))  # (r, t, d)
+        hidden = self.proj(torch.cat((x, cond, mu, spks), dim=-1))  # (r, t, d)
         if keep is not None:  # (r, t, 1): 0 on frames before position 0 (the conv's zero pad)
-            h = h * keep
-            return h + self.conv_pos_embed(h, keep)
-        # h first: the sum takes its first operand's memory layout, and the conv's output is
+            hidden = hidden * keep
+            return hidden + self.conv_pos_embed(hidden, keep)
+        # hidden first: the sum takes its first operand's memory layout, and the conv's output is
         # channel-first. With it first, the whole residual stream was channel-first: every
         # layer_norm copied its input and every AdaLN/residual kernel ran strided (bf16, b=64:
         # a third of the device time on an H200).
-        return h + self.conv_pos_embed(h)
+        return hidden + self.conv_pos_embed(hidden)
 
 
 class RotaryEmbedding(nn.Module):
@@ -217,9 +217,9 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # key `to_out.0` (1 was dropout)
 
-    def forward(self, h, rope, attn_bias, frame_mask, kv=None) -> torch.Tensor:
-        r, t, _ = h.shape
-        q, key, v = self.to_q(h), self.to_k(h), self.to_v(h)  # (r, t, h*e) each
+    def forward(self, hidden, rope, attn_bias, frame_mask, kv=None) -> torch.Tensor:
+        r, t, _ = hidden.shape
+        q, key, v = self.to_q(hidden), self.to_k(hidden), self.to_v(hidden)  # (r, t, h*e) each
         apply_rotary_(q, *rope)
         apply_rotary_(key, *rope)
         if kv is not None:  # prefix cache: keys/values of the cached prefix, then these
@@ -237,7 +237,7 @@ class Attention(nn.Module):
 
 class AdaLayerNormZero(nn.Module):
     """Modulation from the time embedding: shift, scale, gate (attn) then shift, scale, gate
-    (FFN), in that order. The norm itself (no affine, eps 1e-6) is applied by the block."""
+    (FFN), in that order. The norm itself (no affine, eps 1e-6) is applied by the layer."""
 
     def __init__(self, dim: int, num_chunks: int):
         super().__init__()
@@ -260,11 +260,11 @@ class FeedForward(nn.Module):
             nn.Linear(inner, dim),
         )
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.ff(h)
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.ff(hidden)
 
 
-class DiTBlock(nn.Module):
+class DiTLayer(nn.Module):
     def __init__(self, cfg: DiTConfig):
         super().__init__()
         self.eps = cfg.norm_eps
@@ -275,10 +275,10 @@ class DiTBlock(nn.Module):
     def forward(self, x, temb_act, rope, attn_bias, frame_mask, kv=None) -> torch.Tensor:
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = self.attn_norm(temb_act, x.dtype)
         d = x.shape[-1]
-        h = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_a, scale_a)
-        x = torch.addcmul(x, gate_a, self.attn(h, rope, attn_bias, frame_mask, kv))
-        h = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_f, scale_f)
-        return torch.addcmul(x, gate_f, self.ff(h))
+        normed = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_a, scale_a)
+        x = torch.addcmul(x, gate_a, self.attn(normed, rope, attn_bias, frame_mask, kv))
+        normed = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_f, scale_f)
+        return torch.addcmul(x, gate_f, self.ff(normed))
 
 
 class FinalNorm(nn.Module):
@@ -305,7 +305,7 @@ class DiT(nn.Module):
         self.time_embed = TimestepEmbedding(cfg.dim, cfg.time_freq_dim)
         self.input_embed = InputEmbedding(cfg)
         self.rotary_embed = RotaryEmbedding(cfg.dim_head)
-        self.transformer_blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.depth))
+        self.transformer_blocks = nn.ModuleList(DiTLayer(cfg) for _ in range(cfg.depth))
         self.norm_out = FinalNorm(cfg.dim, cfg.norm_eps)
         self.proj_out = nn.Linear(cfg.dim, cfg.mel_dim)
 
@@ -318,7 +318,7 @@ class DiT(nn.Module):
         residual stream, attention and FFN stay in the compute dtype."""
         return [
             self.time_embed,
-            *(block.attn_norm for block in self.transformer_blocks),
+            *(layer.attn_norm for layer in self.transformer_blocks),
             self.norm_out,
             self.proj_out,
         ]
@@ -336,15 +336,17 @@ class DiT(nn.Module):
     ) -> torch.Tensor:
         temb_act = F.silu(self.time_embed(tau))  # (r, d); every AdaLN applies SiLU first
         if prefix is None:
-            h = self.input_embed(x, cond, mu, spks)  # (r, t, d)
+            hidden = self.input_embed(x, cond, mu, spks)  # (r, t, d)
             rope = self.rotary_embed.tables(x.shape[1])
         else:
             # x, mu, cond hold `prefix.context` frames before the queries: the conv position
             # embedding's left receptive field. Only the queries go through the blocks.
-            h = self.input_embed(x, cond, mu, spks, prefix.keep)[:, prefix.context :].contiguous()
+            hidden = self.input_embed(x, cond, mu, spks, prefix.keep)[
+                :, prefix.context :
+            ].contiguous()
             rope = prefix.rope
-        for i, block in enumerate(self.transformer_blocks):
+        for i, layer in enumerate(self.transformer_blocks):
             kv = None if prefix is None else prefix.layer(i)
-            h = block(h, temb_act, rope, attn_bias, frame_mask, kv)
-        out = self.norm_out(h, temb_act)  # (r, q, d), fp32 in a bf16 model with fp32 parts
+            hidden = layer(hidden, temb_act, rope, attn_bias, frame_mask, kv)
+        out = self.norm_out(hidden, temb_act)  # (r, q, d), fp32 in a bf16 model with fp32 parts
         return self.proj_out(out.to(self.proj_out.weight.dtype))  # (r, q, c)
