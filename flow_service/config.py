@@ -51,6 +51,21 @@ def build_parser() -> EnvParser:
         help="model dtype; float32 is upstream's, bfloat16 is ~3x faster on Hopper",
     )
     p.flag(
+        "--fused-norms",
+        type=bool,
+        default=False,
+        help="on CUDA, run each DiT layer's gate + residual + layer norm + AdaLN modulate as "
+        "one torch.compile'd kernel (compiled at warm-up, logged; same mel within rounding)",
+    )
+    p.flag(
+        "--flex-attention",
+        type=bool,
+        default=False,
+        help="eager batches attend through FlexAttention with a block mask (skips padding and "
+        "a streaming row's later blocks) instead of a dense additive bias; compiled on CUDA; "
+        "CUDA-graphed batches keep the bias",
+    )
+    p.flag(
         "--max-batch-size",
         type=int,
         default=64,
@@ -177,6 +192,8 @@ class FlowConfig:
     device: str = "cpu"
     dtype: str = "float32"
     bf16_fp32_parts: bool = False
+    fused_norms: bool = False
+    flex_attention: bool = False
     policy: BatchPolicy = field(default_factory=BatchPolicy)
     cost_prior: CostPrior = field(default_factory=CostPrior)
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
@@ -199,6 +216,8 @@ class FlowConfig:
             device=args.device,
             dtype=args.dtype,
             bf16_fp32_parts=args.bf16_fp32_parts,
+            fused_norms=args.fused_norms,
+            flex_attention=args.flex_attention,
             policy=BatchPolicy(
                 max_batch_size=args.max_batch_size,
                 max_batch_frames=args.max_batch_frames,

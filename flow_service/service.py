@@ -8,7 +8,7 @@ from flow_service import metrics
 from flow_service.config import FlowConfig, PrefixCacheConfig
 from flow_service.costmodel import CostModel, num_solver_steps
 from flow_service.engine import FlowEngine
-from flow_service.model import FlowModel, PrefixCache, load_flow
+from flow_service.model import DiTKernels, FlowModel, PrefixCache, load_flow
 from flow_service.servicer import FlowServicer
 from flow_service.voices import VoiceCache
 from flow_service.warmup import warmup_requests
@@ -25,6 +25,7 @@ def load_model(config: FlowConfig) -> FlowModel:
         dtype=DTYPES[config.dtype],
         preset=config.preset,
         fp32_sensitive=config.bf16_fp32_parts,
+        kernels=DiTKernels(fused_norms=config.fused_norms, flex_attention=config.flex_attention),
     )
 
 

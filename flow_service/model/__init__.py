@@ -16,7 +16,7 @@ from flow_service.model.config import (
     DiTConfig,
     FlowConfig,
 )
-from flow_service.model.dit import DiT, attention_bias
+from flow_service.model.dit import DiT, DiTKernels, attention_bias
 from flow_service.model.flow import (
     BatchIntegrityError,
     FlowBatch,
@@ -57,6 +57,7 @@ __all__ = [
     "FlowRequest",
     "DiT",
     "DiTConfig",
+    "DiTKernels",
     "FlowBatch",
     "FlowConfig",
     "FlowModel",

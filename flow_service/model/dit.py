@@ -2,7 +2,9 @@
 
 Attribute names mirror the upstream state-dict keys (docs/REFERENCE.md §9), so flow.pt loads with
 strict matching; the code itself is written for batched inference: channel-last tensors, one
-additive attention bias per call built outside the layer loop, in-place partial rotary.
+attention mask per call built outside the layer loop (a dense additive bias, or a FlexAttention
+block mask), in-place partial rotary. `DiTKernels` picks fused/compiled kernels for the same
+function.
 
 Dimensions (the legend of docs/DESIGN.md "Shape letters"):
     b  batch rows: flow calls
@@ -19,13 +21,20 @@ The flow time is `tau` (shape (r,)), never `t`.
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from flow_service.model.config import DiTConfig
+
+logger = logging.getLogger(__name__)
 
 ROPE_BASE = 10000.0
 TIME_SCALE = 1000.0  # tau in [0, 1] is stretched before the sinusoid (F5-TTS convention)
@@ -85,6 +94,131 @@ def ragged_attention_bias(
     bias = torch.full((num_rows, 1, num_queries, width), float("-inf"), dtype=dtype, device=device)
     bias = bias[..., :num_keys]  # aligned row stride: SDPA uses it without a padded copy
     return bias.masked_fill_(allowed[:, None], 0.0)
+
+
+def flex_block_mask(
+    seq_lens: torch.Tensor,
+    streaming: torch.Tensor,
+    num_keys: int,
+    block_frames: int,
+    query_start: torch.Tensor | None = None,
+    num_queries: int | None = None,
+):
+    """The visibility of `ragged_attention_bias` (padding masked) as a FlexAttention BlockMask:
+    key j is visible to query q of row b, at absolute frame p = query_start[b] + q, iff
+    j < max(seq_lens[b], 1) and (not streaming[b] or j < (p // block + 1) * block).
+
+    Built once per solve (the layers and steps share it); blocks of keys nobody may read (the
+    padding, a streaming row's later blocks) are skipped by the kernel instead of added as -inf.
+    A row of length 0 keeps key 0, as in the bias: every query sees a key, so no NaN."""
+    num_rows = seq_lens.shape[0]
+    device = seq_lens.device
+    key_len = seq_lens.clamp(min=1)
+    start = torch.zeros_like(seq_lens) if query_start is None else query_start.to(device)
+    full = ~streaming.to(device)
+    num_queries = num_keys if num_queries is None else num_queries
+
+    def visible(b, h, q, k):
+        block_end = ((start[b] + q) // block_frames + 1) * block_frames
+        return (k < key_len[b]) & (full[b] | (k < block_end))
+
+    return create_block_mask(visible, num_rows, None, num_queries, num_keys, device=device)
+
+
+def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float):
+    """AdaLN: layer norm without affine, then modulate. (r, t, d) -> (r, t, d)."""
+    return modulate(F.layer_norm(x, (x.shape[-1],), eps=eps), shift, scale)
+
+
+def residual_norm_modulate(x, gate, y, frame_mask, shift, scale, eps: float):
+    """Between sublayers: x + gate * (y * frame_mask), then its AdaLN for the next sublayer.
+    Returns (new residual stream, normed); the same ops, in the same order, as the plain
+    layer (where the attention applies the frame mask to its own output)."""
+    if frame_mask is not None:
+        y = y * frame_mask
+    x = torch.addcmul(x, gate, y)
+    return x, norm_modulate(x, shift, scale, eps)
+
+
+class _Compiled:
+    """`fn` through torch.compile (inductor), compiled lazily on first use; that first call per
+    (dtype, device, argument kinds) is timed and logged.
+
+    `ragged=True`: the batch and length dims (0 and 1 of each 3-d tensor argument; dim 1 only
+    where it is not a broadcast 1) are symbolic from the first compile, the width static, so
+    every ragged batch reuses the graph compiled at warm-up. Otherwise dynamo's automatic
+    dynamic shapes: static first, one recompile with the dims that changed symbolic. Either way
+    recompiles are bounded by dynamo's recompile limit, past which it runs `fn` eagerly (same
+    numbers, unfused)."""
+
+    def __init__(self, fn, ragged: bool = True):
+        self.fn = fn
+        self.ragged = ragged
+        self._compiled = None
+        self._seen: set = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, *args):
+        if self._compiled is None:
+            with self._lock:
+                if self._compiled is None:
+                    self._compiled = torch.compile(self.fn, dynamic=None)
+        key = tuple(
+            (a.dtype, a.device.type) if isinstance(a, torch.Tensor) else type(a) for a in args
+        )
+        if key in self._seen:
+            return self._compiled(*args)
+        if self.ragged:
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.dim() == 3:
+                    torch._dynamo.maybe_mark_dynamic(a, 0)
+                    if a.shape[1] != 1:
+                        torch._dynamo.maybe_mark_dynamic(a, 1)
+        start = time.perf_counter()
+        out = self._compiled(*args)
+        self._seen.add(key)
+        logger.info(
+            "compiled %s for %s in %.1f s", self.fn.__name__, key, time.perf_counter() - start
+        )
+        return out
+
+
+_fused_norm_modulate = _Compiled(norm_modulate)
+_fused_residual_norm_modulate = _Compiled(residual_norm_modulate)
+
+
+def _flex_eager(q, k, v, block_mask):
+    return flex_attention(q, k, v, block_mask=block_mask)
+
+
+# FlexAttention's fused kernel exists only compiled; in eager mode it is a dense reference.
+# Automatic dynamic shapes: the first shape compiles static, a second one recompiles with the
+# changed sizes symbolic (the block mask's lengths too), and later lengths reuse that.
+_flex_compiled = _Compiled(_flex_eager, ragged=False)
+
+
+@dataclass(frozen=True)
+class DiTKernels:
+    """Which kernels the DiT runs; every choice computes the same function (within rounding).
+
+    fused_norms: gate + residual (+ the frame mask) + layer norm + AdaLN modulate as one
+        compiled function between sublayers (torch.compile on CUDA; the same function eagerly
+        elsewhere unless `compile_cpu`, which exists for tests).
+    flex_attention: `DiT.attention_mask` returns a FlexAttention BlockMask instead of the dense
+        additive bias (compiled flex on CUDA, its eager reference elsewhere). Not for CUDA-graph
+        replays (the graph runner copies tensors, a BlockMask is not one): callers pass
+        `graphed=True` and get the bias.
+    """
+
+    fused_norms: bool = False
+    flex_attention: bool = False
+    compile_cpu: bool = False
+
+    def compiled(self, x: torch.Tensor) -> bool:
+        return x.is_cuda or self.compile_cpu
+
+
+PLAIN_KERNELS = DiTKernels()
 
 
 class TimestepEmbedding(nn.Module):
@@ -228,7 +362,11 @@ class Attention(nn.Module):
         q = q.view(r, t, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t, e)
         key = key.view(r, t_keys, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t_keys, e)
         v = v.view(r, t_keys, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t_keys, e)
-        o = F.scaled_dot_product_attention(q, key, v, attn_mask=attn_bias)  # (r, h, t, e)
+        if isinstance(attn_bias, BlockMask):
+            flex = _flex_compiled if q.is_cuda else _flex_eager
+            o = flex(q, key, v, attn_bias)  # (r, h, t, e)
+        else:
+            o = F.scaled_dot_product_attention(q, key, v, attn_mask=attn_bias)  # (r, h, t, e)
         o = o.transpose(1, 2).reshape(r, t, self.heads * self.dim_head)  # (r, t, h*e)
         o = self.to_out[0](o)
         # Upstream zeroes padded query frames; keeps padded garbage bounded, valid frames unchanged.
@@ -272,8 +410,18 @@ class DiTLayer(nn.Module):
         self.attn = Attention(cfg.dim, cfg.heads, cfg.dim_head)
         self.ff = FeedForward(cfg.dim, cfg.dim * cfg.ff_mult)
 
-    def forward(self, x, temb_act, rope, attn_bias, frame_mask, kv=None) -> torch.Tensor:
+    def forward(
+        self, x, temb_act, rope, attn_bias, frame_mask, kv=None, kernels=PLAIN_KERNELS
+    ) -> torch.Tensor:
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = self.attn_norm(temb_act, x.dtype)
+        if kernels.fused_norms:
+            compiled = kernels.compiled(x)
+            first = _fused_norm_modulate if compiled else norm_modulate
+            between = _fused_residual_norm_modulate if compiled else residual_norm_modulate
+            normed = first(x, shift_a, scale_a, self.eps)
+            y = self.attn(normed, rope, attn_bias, None, kv)  # frame mask: in `between`
+            x, normed = between(x, gate_a, y, frame_mask, shift_f, scale_f, self.eps)
+            return torch.addcmul(x, gate_f, self.ff(normed))
         d = x.shape[-1]
         normed = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_a, scale_a)
         x = torch.addcmul(x, gate_a, self.attn(normed, rope, attn_bias, frame_mask, kv))
@@ -308,6 +456,32 @@ class DiT(nn.Module):
         self.transformer_blocks = nn.ModuleList(DiTLayer(cfg) for _ in range(cfg.depth))
         self.norm_out = FinalNorm(cfg.dim, cfg.norm_eps)
         self.proj_out = nn.Linear(cfg.dim, cfg.mel_dim)
+        self.kernels = PLAIN_KERNELS  # not state: set from flags (flow_service/config.py)
+
+    def attention_mask(
+        self,
+        seq_lens: torch.Tensor,
+        streaming: torch.Tensor,
+        num_keys: int,
+        dtype: torch.dtype,
+        query_pos: torch.Tensor | None = None,
+        mask_padding: bool = True,
+        graphed: bool = False,
+    ):
+        """The attention mask of one solve, built once outside the layer loop: a FlexAttention
+        BlockMask with `kernels.flex_attention` (eager calls with the padding masked), else
+        the additive bias (r, 1, q, num_keys). `query_pos` (r, q) gives each row's absolute
+        query frames, consecutive from its first (the prefix cache); None: 0..num_keys-1."""
+        block = self.cfg.block_frames
+        if self.kernels.flex_attention and mask_padding and not graphed:
+            start = None if query_pos is None else query_pos[:, 0]
+            num_queries = None if query_pos is None else query_pos.shape[1]
+            return flex_block_mask(seq_lens, streaming, num_keys, block, start, num_queries)
+        if query_pos is None:
+            return attention_bias(seq_lens, streaming, num_keys, block, dtype, mask_padding)
+        return ragged_attention_bias(
+            query_pos, seq_lens, streaming, num_keys, block, dtype, mask_padding
+        )
 
     def fp32_modules(self) -> list[nn.Module]:
         """The numerically sensitive parts that `load_flow` keeps in fp32 in a bf16 model: the
@@ -330,7 +504,7 @@ class DiT(nn.Module):
         cond: torch.Tensor,  # (r, t, c) prompt mel in the prompt frames, else zero
         spks: torch.Tensor,  # (r, c) projected speaker vector; zero in unconditional rows
         tau: torch.Tensor,  # (r,) fp32 flow time per row
-        attn_bias: torch.Tensor,  # (r, 1, t, t) additive, from `attention_bias`
+        attn_bias,  # from `attention_mask`: (r, 1, t, t) additive bias, or a BlockMask
         frame_mask: torch.Tensor | None = None,  # (r, t, 1) 1 valid / 0 padded, compute dtype
         prefix=None,  # a prefix_cache.DiTPrefix: queries only for the frames after the context
     ) -> torch.Tensor:
@@ -347,6 +521,6 @@ class DiT(nn.Module):
             rope = prefix.rope
         for i, layer in enumerate(self.transformer_blocks):
             kv = None if prefix is None else prefix.layer(i)
-            hidden = layer(hidden, temb_act, rope, attn_bias, frame_mask, kv)
+            hidden = layer(hidden, temb_act, rope, attn_bias, frame_mask, kv, self.kernels)
         out = self.norm_out(hidden, temb_act)  # (r, q, d), fp32 in a bf16 model with fp32 parts
         return self.proj_out(out.to(self.proj_out.weight.dtype))  # (r, q, c)

@@ -27,6 +27,7 @@ from flow_service.model.config import (
     DiTConfig,
     FlowConfig,
 )
+from flow_service.model.dit import DiTKernels
 from flow_service.model.flow import FlowModel
 from token2wav.checkpoint import load_tensors
 
@@ -177,6 +178,7 @@ def load_flow(
     preset: str | None = None,
     seed: int = 0,
     fp32_sensitive: bool = False,
+    kernels: DiTKernels | None = None,
 ) -> FlowModel:
     """A FlowModel in eval mode on `device`, float32 (as upstream) or bfloat16.
 
@@ -187,7 +189,9 @@ def load_flow(
 
     path: a model dir holding flow.pt, or the file; None gives seeded random weights of
     `preset` (default "small"). With a checkpoint, depth and widths come from its tensors (the
-    checkpoint wins; a different `preset` only logs a warning)."""
+    checkpoint wins; a different `preset` only logs a warning).
+
+    kernels: which DiT kernels run (`DiTKernels`: fused norms, FlexAttention); None: plain."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype: {dtype} not supported (float32 or bfloat16; fp16 overflows)")
     if preset is not None and preset not in FLOW_PRESETS:
@@ -206,7 +210,10 @@ def load_flow(
         check_state_dict(model, state)
         model = model.to_empty(device=device)
         model.load_state_dict(state, strict=True)
-    return cast_model(model.to(device=device), dtype, fp32_sensitive).eval()
+    model = cast_model(model.to(device=device), dtype, fp32_sensitive).eval()
+    if kernels is not None:
+        model.decoder.estimator.kernels = kernels
+    return model
 
 
 def cast_model(model: FlowModel, dtype: torch.dtype, fp32_sensitive: bool = False) -> FlowModel:

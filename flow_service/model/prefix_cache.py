@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flow_service.model.dit import ragged_attention_bias
 from flow_service.model.requests import FlowRequest
 
 # Pool tensors of about this size, each (steps, layers, {K,V}, blocks, {cond,uncond}, block, d),
@@ -628,14 +627,8 @@ def solve_with_prefix(model, batch, plan: PrefixPlan, mask_padding=True, between
         if n:
             context_x[:, i, cache_ctx - n :] = row.xs[:, row.prefix - n : row.prefix]
     qpos2 = query_pos.repeat(2, 1)
-    bias = ragged_attention_bias(
-        qpos2,
-        batch.seq_lens.repeat(2),
-        batch.streaming.repeat(2),
-        t,
-        dit.cfg.block_frames,
-        dtype,
-        mask_padding,
+    bias = dit.attention_mask(
+        batch.seq_lens.repeat(2), batch.streaming.repeat(2), t, dtype, qpos2, mask_padding
     )
     qn = num_queries.to(dev)
     frame_mask = (torch.arange(q_max, device=dev)[None] < qn[:, None]).to(dtype)

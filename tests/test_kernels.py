@@ -1,0 +1,334 @@
+"""DiT kernel options (issue 17 item 2): each computes the plain path's function.
+
+- fused norms: the eager structure is bit-identical to the plain layer (same ops, same order);
+  compiled (inductor on the CPU here, `slow`; on CUDA, `gpu`) within 1e-6 relative in fp32 and
+  within bf16 rounding.
+- FlexAttention block masks: the same visibility as the dense additive bias (full, streaming,
+  ragged, empty rows, prefix-cache query offsets), and the same mel through `generate` with
+  and without the prefix cache (fp32 <= 1e-5 relative; flex's eager reference on the CPU,
+  compiled on CUDA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_flow_model import make_voice, ragged_requests
+from test_prefix_cache import new_cache, stream_calls
+
+from flow_service.config import FlowConfig, build_parser
+from flow_service.model import DiTKernels, FlowModel, FlowRequest, load_flow
+from flow_service.model import dit as dit_module
+from flow_service.model.dit import (
+    DiTLayer,
+    flex_block_mask,
+    norm_modulate,
+    ragged_attention_bias,
+    residual_norm_modulate,
+)
+
+REL = 1e-5  # flex vs bias through a whole solve: max |diff| <= REL x max |mel| (fp32)
+FUSED_REL = 1e-6  # a compiled fused function vs the same function eagerly (fp32)
+
+
+@pytest.fixture(scope="module")
+def model() -> FlowModel:
+    torch.set_num_threads(1)
+    return load_flow(None, preset="small", seed=0)
+
+
+@pytest.fixture
+def flex_calls(monkeypatch) -> list[int]:
+    """Counts the (eager, CPU) FlexAttention calls, to show the flex path really ran."""
+    calls = []
+    eager = dit_module._flex_eager
+
+    def counting(*args):
+        calls.append(1)
+        return eager(*args)
+
+    monkeypatch.setattr(dit_module, "_flex_eager", counting)
+    return calls
+
+
+@contextlib.contextmanager
+def kernels(model: FlowModel, **options):
+    dit = model.decoder.estimator
+    before = dit.kernels
+    dit.kernels = DiTKernels(**options)
+    try:
+        yield
+    finally:
+        dit.kernels = before
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max()) / max(float(want.abs().max()), 1e-12)
+
+
+def assert_all_close(got: list[torch.Tensor], want: list[torch.Tensor], tol: float) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape
+        err = rel_err(g, w)
+        assert err <= tol, f"output {i}: {err:.2e} > {tol:.0e}"
+
+
+# -- fused norms ------------------------------------------------------------------------------
+def layer_inputs(model: FlowModel, rows: int = 4, frames: int = 37, seed: int = 0):
+    cfg = model.cfg.dit
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, frames, cfg.dim, generator=g)
+    temb_act = F.silu(torch.randn(rows, cfg.dim, generator=g))
+    lens = torch.tensor([frames, 20, 1, 0][:rows])
+    streaming = torch.tensor([True, False, True, False][:rows])
+    dit = model.decoder.estimator
+    bias = dit.attention_mask(lens, streaming, frames, x.dtype)
+    mask = (torch.arange(frames)[None] < lens[:, None]).float()[..., None]
+    return x, temb_act, dit.rotary_embed.tables(frames), bias, mask
+
+
+def test_fused_structure_is_bit_identical_to_the_plain_layer(model):
+    layer: DiTLayer = model.decoder.estimator.transformer_blocks[1]
+    args = layer_inputs(model)
+    with torch.inference_mode():
+        plain = layer(*args)
+        fused = layer(*args, kernels=DiTKernels(fused_norms=True))  # CPU: uncompiled
+    assert torch.equal(plain, fused)
+    assert float(plain.abs().max()) > 0
+
+
+SIZES = ((2, 50, 128), (6, 131, 128), (3, 7, 256))  # rows, frames, width
+RAGGED = ((4, 77, 128), (10, 300, 128), (2, 13, 128))  # rows and lengths vary, width fixed
+
+
+def fused_cases(dtype: torch.dtype, device: str, seed: int = 3, sizes=SIZES):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    for rows, frames, dim in sizes:
+        x, y = rand(rows, frames, dim) * 3.0, rand(rows, frames, dim)
+        gate, shift, scale = rand(rows, 1, dim), rand(rows, 1, dim), rand(rows, 1, dim) * 0.1
+        mask = (torch.rand(rows, frames, 1, generator=g) > 0.2).to(device, dtype)
+        yield x, gate, y, mask, shift, scale
+
+
+def check_compiled_fused(dtype: torch.dtype, device: str) -> None:
+    from torch._dynamo.utils import counters
+
+    from flow_service.model.dit import _Compiled
+
+    torch._dynamo.reset()  # dynamo caches per code object: start from no graph
+    first = _Compiled(norm_modulate)
+    between = _Compiled(residual_norm_modulate)
+    # the first compile covers ragged batches: other row counts and lengths compile nothing
+    graphs = None
+    for x, gate, y, mask, shift, scale in fused_cases(dtype, device, seed=4, sizes=RAGGED):
+        with torch.inference_mode():
+            first(x, shift, scale, 1e-6)
+            between(x, gate, y, mask, shift, scale, 1e-6)
+        graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
+    for x, gate, y, mask, shift, scale in fused_cases(dtype, device):
+        with torch.inference_mode():
+            got = [first(x, shift, scale, 1e-6), *between(x, gate, y, mask, shift, scale, 1e-6)]
+            got_nomask = between(x, gate, y, None, shift, scale, 1e-6)
+        # the reference in fp32 from the rounded inputs: the compiled function keeps its
+        # intermediates in fp32, the eager bf16 one rounds each of them
+        x32, args32 = x.float(), [a.float() for a in (gate, y, mask, shift, scale)]
+        want = [norm_modulate(x32, args32[3], args32[4], 1e-6)]
+        want += residual_norm_modulate(x32, *args32, 1e-6)
+        want_nomask = residual_norm_modulate(x32, args32[0], args32[1], None, *args32[3:], 1e-6)
+        if dtype == torch.float32:
+            tol = FUSED_REL
+        else:  # within bf16 rounding: what the eager bf16 path itself is off by
+            eager = [norm_modulate(x, shift, scale, 1e-6)]
+            eager += residual_norm_modulate(x, gate, y, mask, shift, scale, 1e-6)
+            tol = 2 * max(rel_err(e, w) for e, w in zip(eager, want))
+            assert tol < 0.05
+        assert_all_close(got, want, tol)
+        assert_all_close(list(got_nomask), list(want_nomask), tol)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_fused_functions_on_cpu(dtype):
+    """Inductor's CPU backend (needs a C compiler); the CUDA twin is below."""
+    check_compiled_fused(dtype, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_fused_functions_on_cuda(dtype):
+    check_compiled_fused(dtype, "cuda")
+
+
+@pytest.mark.slow
+def test_compiled_fused_generate_on_cpu(model):
+    reqs = ragged_requests()[:4]
+    want = model.generate(reqs)
+    with kernels(model, fused_norms=True, compile_cpu=True):
+        got = model.generate(reqs)
+    assert_all_close(got, want, REL)
+
+
+# -- FlexAttention ----------------------------------------------------------------------------
+def attention_case(query_start, seq_lens, streaming, num_queries, num_keys, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows, heads, e = len(seq_lens), 2, 16
+    q = torch.randn(rows, heads, num_queries, e, generator=g)
+    k = torch.randn(rows, heads, num_keys, e, generator=g)
+    v = torch.randn(rows, heads, num_keys, e, generator=g)
+    start = torch.tensor(query_start)
+    lens, stream = torch.tensor(seq_lens), torch.tensor(streaming)
+    qpos = start[:, None] + torch.arange(num_queries)
+    bias = ragged_attention_bias(qpos, lens, stream, num_keys, 50, torch.float32)
+    block_mask = flex_block_mask(lens, stream, num_keys, 50, start, num_queries)
+    return q, k, v, bias, block_mask
+
+
+@pytest.mark.parametrize(
+    "query_start, seq_lens, streaming, num_queries, num_keys",
+    [
+        # full and streaming rows of ragged lengths, an empty row, a 1-frame row
+        ([0] * 5, [200, 130, 0, 1, 77], [False, True, True, False, True], 200, 200),
+        # prefix-cache windows: queries after cached prefixes of 0, 50, 100 frames
+        ([0, 50, 100, 50], [180, 140, 230, 90], [True, True, True, False], 130, 230),
+        # lengths that are no multiple of flex's 128-frame tiles
+        ([0, 0], [257, 3], [True, True], 257, 257),
+    ],
+)
+def test_flex_attention_equals_sdpa_with_the_bias(
+    query_start, seq_lens, streaming, num_queries, num_keys
+):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q, k, v, bias, block_mask = attention_case(
+        query_start, seq_lens, streaming, num_queries, num_keys
+    )
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    got = flex_attention(q, k, v, block_mask=block_mask)
+    assert not got.isnan().any()
+    assert rel_err(got, want) <= REL
+
+
+def test_generate_with_flex_equals_the_bias_path(model, flex_calls):
+    reqs = ragged_requests()[:8]  # full, streaming, ragged, final and non-final rows
+    want = model.generate(reqs)
+    with kernels(model, flex_attention=True):
+        got = model.generate(reqs)
+        steps, layers = len(model.decoder.steps), model.cfg.dit.depth
+        assert len(flex_calls) == steps * layers
+        # a replacement estimator (CUDA graphs) gets the dense bias: it copies tensors only
+        seen = []
+
+        def estimator(*args):
+            seen.append(args[5])
+            return model.decoder.estimator(*args)
+
+        model.generate(reqs[:2], estimator=estimator)
+    assert_all_close(got, want, REL)
+    assert all(isinstance(b, torch.Tensor) for b in seen) and seen
+
+
+def test_generate_with_flex_and_fused_and_the_prefix_cache(model, flex_calls):
+    """Prefix-cache rows mixing hits and misses: query offsets and key lengths per row."""
+    v1, v2 = make_voice(8, 35), make_voice(9, 13)
+    s1 = stream_calls(v1, "k1", 230, seed=30)
+    s2 = stream_calls(v2, "k2", 120, seed=31)
+    batch = [
+        s1[2],  # hit
+        s2[0],  # first chunk: a miss that stores
+        s2[-2],  # final, full attention
+        dataclasses.replace(s1[1], cache_key=""),  # no key: voice blocks only
+    ]
+    want = model.generate(batch)
+    with kernels(model, flex_attention=True, fused_norms=True):
+        cache = new_cache(model)
+        model.generate([s1[0], s1[1]], prefix_cache=cache)
+        got = model.generate(batch, prefix_cache=cache)
+    assert cache.stats["hits"] >= 1 and cache.stats["reused_frames"] > 0
+    assert len(flex_calls) == 2 * len(model.decoder.steps) * model.cfg.dit.depth
+    assert_all_close(got, want, REL)
+
+
+# -- flags ------------------------------------------------------------------------------------
+def test_flags_reach_the_model(monkeypatch):
+    monkeypatch.setenv("FLOW_FLEX_ATTENTION", "true")
+    cfg = FlowConfig.from_args(build_parser().parse_args(["--fused-norms", "true"]))
+    assert cfg.fused_norms and cfg.flex_attention
+    monkeypatch.delenv("FLOW_FLEX_ATTENTION")
+    default = FlowConfig.from_args(build_parser().parse_args([]))
+    assert not default.fused_norms and not default.flex_attention
+    m = load_flow(None, preset="small", kernels=DiTKernels(cfg.fused_norms, cfg.flex_attention))
+    assert m.decoder.estimator.kernels == DiTKernels(fused_norms=True, flex_attention=True)
+    assert load_flow(None, preset="small").decoder.estimator.kernels == DiTKernels()
+
+
+# -- CUDA -------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_cuda_kernels_match_the_plain_path(monkeypatch):
+    """Full size, TF32 off: compiled fused norms and compiled flex, eager and under CUDA
+    graphs (fused only: graphed batches keep the bias), and with the prefix cache."""
+    from flow_service.model import GraphedEstimator, PrefixCache
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    m = load_flow(None, preset="cosyvoice3-0.5b", device="cuda", seed=0)
+    reqs: list[FlowRequest] = ragged_requests()
+    want = m.generate(reqs)
+    for options in (
+        {"fused_norms": True},
+        {"flex_attention": True},
+        {"fused_norms": True, "flex_attention": True},
+    ):
+        with kernels(m, **options):
+            assert_all_close(m.generate(reqs), want, REL)
+            graphed = GraphedEstimator(m.decoder.estimator)
+            got = m.generate(reqs[:3], estimator=graphed, frame_multiple=100)
+            assert_all_close(got, m.generate(reqs[:3]), REL)
+    calls = stream_calls(make_voice(12, 75), "gpu", 300, seed=60)[:-1]
+    plain = [m.generate([c])[0] for c in calls]
+    with kernels(m, fused_norms=True, flex_attention=True):
+        cache = PrefixCache.for_model(m, 4 << 30)
+        got = [m.generate([c], prefix_cache=cache)[0] for c in calls]
+    assert cache.stats["hits"] >= 2
+    assert_all_close(got, plain, REL)
+
+
+# -- bench/kernels_bench.py -------------------------------------------------------------------
+def test_kernels_bench_cpu_dry_run(tmp_path, monkeypatch):
+    """The GPU bench's CPU dry run: every variant runs, agrees with the baseline, and its
+    figures are consistent (no timing is asserted)."""
+    import sys
+
+    from bench import kernels_bench
+
+    out = tmp_path / "kernels.json"
+    argv = ["kernels_bench", "--device", "cpu", "--preset", "small", "--dtypes", "fp32"]
+    argv += ["--rows", "1", "--frames", "206", "--kinds", "streaming", "--repeats", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--budget-s", "120", "--out", str(out)])
+    kernels_bench.main()
+    res = json.loads(out.read_text())
+    assert not res["errors"] and not res["skipped"]
+    (case,) = res["cases"]
+    assert set(case["variants"]) == set(kernels_bench.VARIANTS)
+    for row in case["variants"].values():
+        assert row["rel_max_diff_vs_baseline"] <= REL
+        assert row["frame_steps_per_s"] == pytest.approx(206 * 10 / (row["ms"] / 1e3), rel=0.01)
+        assert row["mfu"] == pytest.approx(row["tflops"] / 67.0, rel=0.01, abs=1e-4)
+
+
+def test_kernels_bench_counts_visible_keys():
+    from bench.kernels_bench import visible_pairs
+
+    assert visible_pairs(100, False, 50) == 100 * 100
+    assert visible_pairs(100, True, 50) == 50 * 50 + 50 * 100  # block 0 sees 50 keys, block 1 100
+    assert visible_pairs(120, True, 50) == 50 * 50 + 50 * 100 + 20 * 120
