@@ -303,6 +303,31 @@ def test_cuda_kernels_match_the_plain_path(monkeypatch):
     assert_all_close(got, plain, REL)
 
 
+@pytest.mark.gpu
+def test_cuda_bf16_kernels_stay_as_close_to_fp32_as_the_plain_path(monkeypatch):
+    """bf16 variants round differently from plain bf16, so both are compared through their
+    distance to fp32 (TF32 off)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    reqs = ragged_requests()
+    m = load_flow(None, preset="cosyvoice3-0.5b", device="cuda", seed=0)
+    ref = m.generate(reqs)
+    del m
+    m = load_flow(None, preset="cosyvoice3-0.5b", device="cuda", dtype=torch.bfloat16, seed=0)
+    plain = m.generate(reqs)
+
+    def rms(x: torch.Tensor) -> float:
+        return float(x.pow(2).mean().sqrt())
+
+    for options in ({"fused_norms": True}, {"fused_norms": True, "flex_attention": True}):
+        with kernels(m, **options):
+            got = m.generate(reqs)
+        for i, (g, p, r) in enumerate(zip(got, plain, ref, strict=True)):
+            if r.numel():
+                assert rms(g - r) <= 1.1 * rms(p - r) + 1e-6, f"{options} output {i}"
+                assert float((g - r).abs().max()) <= 1.5 * float((p - r).abs().max()) + 1e-6
+
+
 # -- bench/kernels_bench.py -------------------------------------------------------------------
 def test_kernels_bench_cpu_dry_run(tmp_path, monkeypatch):
     """The GPU bench's CPU dry run: every variant runs, agrees with the baseline, and its
