@@ -194,16 +194,20 @@ def attention_case(query_start, seq_lens, streaming, num_queries, num_keys, seed
     return q, k, v, bias, block_mask
 
 
+FLEX_CASES = [
+    ([0] * 5, [200, 130, 0, 1, 77], [False, True, True, False, True], 200, 200),
+    ([0, 50, 100, 50], [180, 140, 230, 90], [True, True, True, False], 130, 230),
+    ([0, 0], [257, 3], [True, True], 257, 257),
+    ([0, 0, 0], [40, 0, 13], [True, False, True], 40, 40),  # one tile of queries and keys
+]
+
+
 @pytest.mark.parametrize(
     "query_start, seq_lens, streaming, num_queries, num_keys",
-    [
-        # full and streaming rows of ragged lengths, an empty row, a 1-frame row
-        ([0] * 5, [200, 130, 0, 1, 77], [False, True, True, False, True], 200, 200),
-        # prefix-cache windows: queries after cached prefixes of 0, 50, 100 frames
-        ([0, 50, 100, 50], [180, 140, 230, 90], [True, True, True, False], 130, 230),
-        # lengths that are no multiple of flex's 128-frame tiles
-        ([0, 0], [257, 3], [True, True], 257, 257),
-    ],
+    # full and streaming rows of ragged lengths, an empty row, a 1-frame row; prefix-cache
+    # windows (queries after cached prefixes of 0, 50, 100 frames); lengths that are no
+    # multiple of flex's 128-frame tiles; a single tile
+    FLEX_CASES,
 )
 def test_flex_attention_equals_sdpa_with_the_bias(
     query_start, seq_lens, streaming, num_queries, num_keys
@@ -217,6 +221,32 @@ def test_flex_attention_equals_sdpa_with_the_bias(
     got = flex_attention(q, k, v, block_mask=block_mask)
     assert not got.isnan().any()
     assert rel_err(got, want) <= REL
+
+
+@pytest.mark.slow
+def test_compiled_flex_on_cpu(caplog):
+    """The compiled FlexAttention path (inductor's CPU template here; the CUDA twin runs in the
+    gpu tests), with a fresh BlockMask per call as the solver makes them: correct, no NaN,
+    compiles logged, and a bounded number of graphs across lengths."""
+    import logging
+
+    from torch._dynamo.utils import counters
+
+    from flow_service.model.dit import _Compiled, _flex_eager
+
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]  # a process-wide count
+    flex = _Compiled(_flex_eager, ragged=False)
+    with caplog.at_level(logging.INFO, logger="flow_service.model.dit"):
+        for case in FLEX_CASES * 2:
+            q, k, v, bias, block_mask = attention_case(*case)
+            with torch.inference_mode():
+                got = flex(q, k, v, block_mask)
+            assert not got.isnan().any()
+            assert rel_err(got, F.scaled_dot_product_attention(q, k, v, attn_mask=bias)) <= REL
+    graphs = counters["stats"]["unique_graphs"] - before
+    assert 1 <= graphs <= len(FLEX_CASES)  # the second round compiled nothing
+    assert sum("compiled _flex_eager" in r.getMessage() for r in caplog.records) == graphs
 
 
 def test_generate_with_flex_equals_the_bias_path(model, flex_calls):

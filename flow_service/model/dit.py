@@ -140,9 +140,15 @@ def residual_norm_modulate(x, gate, y, frame_mask, shift, scale, eps: float):
     return x, norm_modulate(x, shift, scale, eps)
 
 
+# Each function compiled here recompiles a few times at most (per dtype; flex also once when
+# a length first changes and for 1-tile lengths); dynamo's default limit of 8 per function could
+# be reached by a process running both dtypes, after which new shapes would run uncompiled.
+RECOMPILE_LIMIT = 32
+
+
 class _Compiled:
-    """`fn` through torch.compile (inductor), compiled lazily on first use; that first call per
-    (dtype, device, argument kinds) is timed and logged.
+    """`fn` through torch.compile (inductor), compiled lazily on first use; every call that
+    compiled a graph is logged with its time.
 
     `ragged=True`: the batch and length dims (0 and 1 of each 3-d tensor argument; dim 1 only
     where it is not a broadcast 1) are symbolic from the first compile, the width static, so
@@ -159,27 +165,36 @@ class _Compiled:
         self._lock = threading.Lock()
 
     def __call__(self, *args):
+        from torch._dynamo.utils import counters
+
         if self._compiled is None:
             with self._lock:
                 if self._compiled is None:
+                    config = torch._dynamo.config
+                    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
                     self._compiled = torch.compile(self.fn, dynamic=None)
         key = tuple(
             (a.dtype, a.device.type) if isinstance(a, torch.Tensor) else type(a) for a in args
         )
-        if key in self._seen:
-            return self._compiled(*args)
-        if self.ragged:
+        if self.ragged and key not in self._seen:
+            self._seen.add(key)
             for a in args:
                 if isinstance(a, torch.Tensor) and a.dim() == 3:
                     torch._dynamo.maybe_mark_dynamic(a, 0)
                     if a.shape[1] != 1:
                         torch._dynamo.maybe_mark_dynamic(a, 1)
+        graphs = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         out = self._compiled(*args)
-        self._seen.add(key)
-        logger.info(
-            "compiled %s for %s in %.1f s", self.fn.__name__, key, time.perf_counter() - start
-        )
+        if counters["stats"]["unique_graphs"] != graphs:
+            shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            logger.info(
+                "compiled %s for %s %s in %.1f s",
+                self.fn.__name__,
+                key,
+                shapes,
+                time.perf_counter() - start,
+            )
         return out
 
 
