@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""DiT kernel variants (issue 17 item 2): time, throughput, MFU and exactness of a full solve.
+r"""DiT kernel variants (issue 17 item 2): time, throughput, MFU and exactness of a full solve.
 
-    PYTHONPATH=. python3 bench/kernels_bench.py --device cuda --budget-s 420 --out $OUT/kernels.json
+    PYTHONPATH=. python3 bench/kernels_bench.py --device cuda --graphs --budget-s 540 \
+        --out $OUT/kernels.json        # one H200: bf16 first, then what fits of fp32
     PYTHONPATH=. python3 bench/kernels_bench.py --device cpu --preset small --rows 2 \
         --frames 206 --repeats 1 --budget-s 60   # CPU smoke (nothing compiles on the CPU)
 
@@ -10,7 +11,8 @@ the dense additive bias, unfused norms), fused (compiled gate + residual + LN + 
 (compiled FlexAttention with a block mask), fused+flex. Each case is B requests of T frames
 (3 s prompt of 75 tokens + the rest emitted tokens), all streaming (non-final, block-causal) or
 all final (full attention), run as one `FlowModel.generate` (10 Euler steps, CFG: 2B solver rows;
-eager, no CUDA graphs, mel left on the device). Per case and variant it prints:
+eager, mel left on the device; with --graphs, batches of <= 8 requests also as CUDA-graph
+replays, baseline and fused, as the service runs them). Per case and variant it prints:
 
 - ms: median wall time of a full solve over --repeats runs, after one warm-up run whose time is
   reported apart (`first_ms`: compile + allocator + autotuning on a variant's first use);
@@ -43,7 +45,14 @@ from pathlib import Path
 
 import torch
 
-from flow_service.model import DiTKernels, FlowModel, FlowRequest, Voice, load_flow
+from flow_service.model import (
+    DiTKernels,
+    FlowModel,
+    FlowRequest,
+    GraphedEstimator,
+    Voice,
+    load_flow,
+)
 
 VARIANTS = {
     "baseline": DiTKernels(),
@@ -51,6 +60,10 @@ VARIANTS = {
     "flex": DiTKernels(flex_attention=True),
     "fused+flex": DiTKernels(fused_norms=True, flex_attention=True),
 }
+# With --graphs, batches of up to GRAPH_MAX_ROWS requests also run as the service runs them:
+# CUDA-graph replays (flex does not apply there: graphed batches keep the dense bias).
+GRAPH_VARIANTS = {"baseline+graphs": DiTKernels(), "fused+graphs": DiTKernels(fused_norms=True)}
+GRAPH_MAX_ROWS = 8
 PEAK_TFLOPS = {"bf16": 790.0, "tf32": 395.0, "fp32": 67.0}
 PROMPT_TOKENS = 75  # 3 s
 COMPILE_RESERVE_S = 90.0  # what a variant's first use (compile) may cost, for the budget check
@@ -111,7 +124,7 @@ class Bench:
             "repeats": args.repeats,
             "budget_s": args.budget_s,
             "peak_tflops": PEAK_TFLOPS,
-            "variants": {k: asdict(v) for k, v in VARIANTS.items()},
+            "variants": {k: asdict(v) for k, v in {**VARIANTS, **GRAPH_VARIANTS}.items()},
             "cases": [],
             "skipped": [],
             "errors": [],
@@ -132,17 +145,17 @@ class Bench:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def timed(self, model: FlowModel, reqs: list[FlowRequest]) -> tuple[float, torch.Tensor]:
+    def timed(self, model: FlowModel, reqs: list[FlowRequest], estimator=None):
         self.sync()
         t0 = time.perf_counter()
-        out = model.generate(reqs, to_cpu=False)
+        out = model.generate(reqs, to_cpu=False, estimator=estimator)
         self.sync()
         return 1e3 * (time.perf_counter() - t0), torch.stack(out)
 
     def estimate_s(self, dtype: str, variant: str, rows: int, frames: int) -> float:
         rate = self.frame_steps_per_s.get(dtype)
         per_run = rows * frames * 10 / rate if rate else 5.0
-        compiles = self.device.type == "cuda" and variant != "baseline"
+        compiles = self.device.type == "cuda" and variant not in ("baseline", "baseline+graphs")
         first = COMPILE_RESERVE_S if compiles and (dtype, variant) not in self.used else 0.0
         return (1 + self.args.repeats) * per_run + first
 
@@ -155,17 +168,21 @@ class Bench:
         dit = model.decoder.estimator
         case = {"dtype": dtype, "rows": rows, "frames": frames, "kind": kind, "variants": {}}
         base = None
-        for variant, kernels in VARIANTS.items():
+        variants = dict(VARIANTS)
+        if self.args.graphs and self.device.type == "cuda" and rows <= GRAPH_MAX_ROWS:
+            variants.update(GRAPH_VARIANTS)
+        for variant, kernels in variants.items():
             need = self.estimate_s(dtype, variant, rows, frames)
             if need > self.left_s():
                 self.results["skipped"].append(f"{name} {variant}: ~{need:.0f} s > budget left")
                 print(f"[skip] {name} {variant}: needs ~{need:.0f} s, {self.left_s():.0f} s left")
                 continue
             dit.kernels = kernels
+            graphed = GraphedEstimator(dit) if variant in GRAPH_VARIANTS else None
             try:
                 with torch.inference_mode():
-                    first_ms, mel = self.timed(model, reqs)
-                    times = [self.timed(model, reqs)[0] for _ in range(self.args.repeats)]
+                    first_ms, mel = self.timed(model, reqs, graphed)  # + capture when graphed
+                    times = [self.timed(model, reqs, graphed)[0] for _ in range(self.args.repeats)]
             except Exception as exc:  # noqa: BLE001 - report and go on with the other variants
                 msg = f"{name} {variant}: {exc!r}"[:500]
                 self.results["errors"].append(msg)
@@ -173,6 +190,8 @@ class Bench:
                 continue
             finally:
                 dit.kernels = VARIANTS["baseline"]
+                if graphed is not None:
+                    graphed.clear()
             self.used.add((dtype, variant))
             ms = statistics.median(times)
             rate = rows * frames * 10 / (ms / 1e3)
@@ -216,6 +235,12 @@ def main() -> None:
     p.add_argument("--kinds", default="final,streaming", help="final and/or streaming")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
     p.add_argument("--tf32", action="store_true", help="allow TF32 in fp32 matmuls/convs")
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        help=f"CUDA: also time baseline and fused as CUDA-graph replays for <= {GRAPH_MAX_ROWS} "
+        "requests (as the service runs small batches)",
+    )
     p.add_argument("--budget-s", type=float, default=240.0, help="stop starting work after this")
     p.add_argument("--out", default="", help="JSON results path (rewritten after each case)")
     args = p.parse_args()
@@ -229,6 +254,10 @@ def main() -> None:
     frames_list = [int(x) for x in args.frames.split(",")]
     kinds = args.kinds.split(",")
     for dtype in args.dtypes.split(","):
+        if bench.left_s() < 30:
+            bench.results["skipped"].append(f"{dtype}: every case, no budget left to load it")
+            print(f"[skip] {dtype}: {bench.left_s():.0f} s left")
+            continue
         model = load_flow(None, device=args.device, dtype=dtypes[dtype], preset=args.preset)
         for rows in rows_list:
             for frames in frames_list:
