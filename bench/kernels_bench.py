@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 r"""DiT kernel variants (issue 17 item 2): time, throughput, MFU and exactness of a full solve.
 
-    PYTHONPATH=. python3 bench/kernels_bench.py --device cuda --graphs --budget-s 540 \
+    PYTHONPATH=. python3 bench/kernels_bench.py --device cuda --graphs --budget-s 500 \
         --out $OUT/kernels.json        # one H200: bf16 first, then what fits of fp32
     PYTHONPATH=. python3 bench/kernels_bench.py --device cpu --preset small --rows 2 \
         --frames 206 --repeats 1 --budget-s 60   # CPU smoke (nothing compiles on the CPU)
