@@ -333,29 +333,36 @@ def test_cuda_kernels_match_the_plain_path(monkeypatch):
     assert_all_close(got, plain, REL)
 
 
-@pytest.mark.gpu
-def test_cuda_bf16_kernels_stay_as_close_to_fp32_as_the_plain_path(monkeypatch):
+def check_bf16_against_fp32(preset: str, device: str, reqs, **extra) -> None:
     """bf16 variants round differently from plain bf16, so both are compared through their
-    distance to fp32 (TF32 off)."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    reqs = ragged_requests()
-    m = load_flow(None, preset="cosyvoice3-0.5b", device="cuda", seed=0)
+    distance to fp32 (TF32 off): no farther than plain bf16, within a margin."""
+    m = load_flow(None, preset=preset, device=device, seed=0)
     ref = m.generate(reqs)
     del m
-    m = load_flow(None, preset="cosyvoice3-0.5b", device="cuda", dtype=torch.bfloat16, seed=0)
+    m = load_flow(None, preset=preset, device=device, dtype=torch.bfloat16, seed=0)
     plain = m.generate(reqs)
 
     def rms(x: torch.Tensor) -> float:
         return float(x.pow(2).mean().sqrt())
 
     for options in ({"fused_norms": True}, {"fused_norms": True, "flex_attention": True}):
-        with kernels(m, **options):
+        with kernels(m, **options, **extra):
             got = m.generate(reqs)
         for i, (g, p, r) in enumerate(zip(got, plain, ref, strict=True)):
-            if r.numel():
-                assert rms(g - r) <= 1.1 * rms(p - r) + 1e-6, f"{options} output {i}"
-                assert float((g - r).abs().max()) <= 1.5 * float((p - r).abs().max()) + 1e-6
+            assert rms(g - r) <= 1.1 * rms(p - r) + 1e-6, f"{options} output {i}"
+            assert float((g - r).abs().max()) <= 1.5 * float((p - r).abs().max()) + 1e-6
+
+
+@pytest.mark.slow
+def test_compiled_bf16_kernels_on_cpu_stay_as_close_to_fp32():
+    check_bf16_against_fp32("small", "cpu", ragged_requests()[:5], compile_cpu=True)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_kernels_stay_as_close_to_fp32_as_the_plain_path(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    check_bf16_against_fp32("cosyvoice3-0.5b", "cuda", ragged_requests())
 
 
 # -- bench/kernels_bench.py -------------------------------------------------------------------
