@@ -55,7 +55,8 @@ def build_parser() -> EnvParser:
         type=bool,
         default=False,
         help="on CUDA, run each DiT layer's gate + residual + layer norm + AdaLN modulate as "
-        "one torch.compile'd kernel (compiled at warm-up, logged; same mel within rounding)",
+        "one torch.compile'd kernel (compiled when the model loads, logged; same mel within "
+        "rounding)",
     )
     p.flag(
         "--flex-attention",

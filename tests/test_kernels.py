@@ -180,12 +180,13 @@ def test_compiled_fused_generate_on_cpu(model):
 
 
 # -- FlexAttention ----------------------------------------------------------------------------
-def attention_case(query_start, seq_lens, streaming, num_queries, num_keys, seed=0):
+def attention_case(query_start, seq_lens, streaming, num_queries, num_keys, seed=0, heads=2, e=16):
     g = torch.Generator().manual_seed(seed)
-    rows, heads, e = len(seq_lens), 2, 16
-    q = torch.randn(rows, heads, num_queries, e, generator=g)
-    k = torch.randn(rows, heads, num_keys, e, generator=g)
-    v = torch.randn(rows, heads, num_keys, e, generator=g)
+    rows = len(seq_lens)
+    # (r, h, t, e) views of (r, t, h, e), as the DiT's Attention makes them
+    q = torch.randn(rows, num_queries, heads, e, generator=g).transpose(1, 2)
+    k = torch.randn(rows, num_keys, heads, e, generator=g).transpose(1, 2)
+    v = torch.randn(rows, num_keys, heads, e, generator=g).transpose(1, 2)
     start = torch.tensor(query_start)
     lens, stream = torch.tensor(seq_lens), torch.tensor(streaming)
     qpos = start[:, None] + torch.arange(num_queries)
@@ -247,6 +248,36 @@ def test_compiled_flex_on_cpu(caplog):
     graphs = counters["stats"]["unique_graphs"] - before
     assert 1 <= graphs <= len(FLEX_CASES)  # the second round compiled nothing
     assert sum("compiled _flex_eager" in r.getMessage() for r in caplog.records) == graphs
+
+
+@pytest.mark.slow
+def test_warm_up_compiles_what_serving_meets(model):
+    """After `warm_up_kernels` (load_flow runs it), ragged batches, full and streaming rows
+    and prefix-cache windows compile nothing more (no batch waits for a compile)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    dit = model.decoder.estimator
+    cfg = model.cfg.dit
+    before = counters["stats"]["unique_graphs"]
+    with kernels(model, fused_norms=True, flex_attention=True, compile_cpu=True):
+        dit.warm_up_kernels()
+        warmed = counters["stats"]["unique_graphs"]
+        assert warmed > before
+        for case in FLEX_CASES:
+            with torch.inference_mode():  # as in generate: dynamo guards on inference tensors
+                q, k, v, bias, mask = attention_case(*case, heads=cfg.heads, e=cfg.dim_head)
+                got = dit_module._flex_compiled(q, k, v, mask)
+            assert rel_err(got, F.scaled_dot_product_attention(q, k, v, attn_mask=bias)) <= REL
+    # the fused norms through generate (flex on the CPU runs its eager reference, not warmed)
+    with kernels(model, fused_norms=True, compile_cpu=True):
+        got = model.generate(ragged_requests()[:5])
+        cache = new_cache(model)
+        for call in stream_calls(make_voice(8, 35), "w", 230, seed=30)[:3]:
+            model.generate([call], prefix_cache=cache)  # prefix windows: other lengths
+        assert cache.stats["hits"] >= 1
+    assert counters["stats"]["unique_graphs"] == warmed
+    assert_all_close(got, model.generate(ragged_requests()[:5]), REL)
 
 
 def test_generate_with_flex_equals_the_bias_path(model, flex_calls):

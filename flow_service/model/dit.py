@@ -161,7 +161,6 @@ class _Compiled:
         self.fn = fn
         self.ragged = ragged
         self._compiled = None
-        self._seen: set = set()
         self._lock = threading.Lock()
 
     def __call__(self, *args):
@@ -173,11 +172,7 @@ class _Compiled:
                     config = torch._dynamo.config
                     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
                     self._compiled = torch.compile(self.fn, dynamic=None)
-        key = tuple(
-            (a.dtype, a.device.type) if isinstance(a, torch.Tensor) else type(a) for a in args
-        )
-        if self.ragged and key not in self._seen:
-            self._seen.add(key)
+        if self.ragged:  # on every call (a few attribute writes): dynamo may have been reset
             for a in args:
                 if isinstance(a, torch.Tensor) and a.dim() == 3:
                     torch._dynamo.maybe_mark_dynamic(a, 0)
@@ -187,11 +182,10 @@ class _Compiled:
         start = time.perf_counter()
         out = self._compiled(*args)
         if counters["stats"]["unique_graphs"] != graphs:
-            shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            shapes = [(tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor)]
             logger.info(
-                "compiled %s for %s %s in %.1f s",
+                "compiled %s for %s in %.1f s",
                 self.fn.__name__,
-                key,
                 shapes,
                 time.perf_counter() - start,
             )
@@ -210,6 +204,12 @@ def _flex_eager(q, k, v, block_mask):
 # Automatic dynamic shapes: the first shape compiles static, a second one recompiles with the
 # changed sizes symbolic (the block mask's lengths too), and later lengths reuse that.
 _flex_compiled = _Compiled(_flex_eager, ragged=False)
+
+
+# (rows, queries, keys) that FlexAttention's warm-up compiles: a static shape, a second one that
+# makes the sizes symbolic, then what dynamo specializes apart: one 128-frame tile of queries
+# and/or of keys, and fewer queries than keys (the prefix cache's windows).
+FLEX_WARM_SHAPES = ((2, 100, 100), (4, 300, 300), (3, 40, 40), (4, 100, 300), (4, 200, 300))
 
 
 @dataclass(frozen=True)
@@ -472,6 +472,44 @@ class DiT(nn.Module):
         self.norm_out = FinalNorm(cfg.dim, cfg.norm_eps)
         self.proj_out = nn.Linear(cfg.dim, cfg.mel_dim)
         self.kernels = PLAIN_KERNELS  # not state: set from flags (flow_service/config.py)
+
+    def warm_up_kernels(self) -> None:
+        """Compile the enabled kernels now (on CUDA, or on the CPU with `compile_cpu`) for the
+        shapes they will meet, so that no batch waits for a compile: the fused norms once (their
+        ragged dims are symbolic), FlexAttention for FLEX_WARM_SHAPES. Each compile is logged."""
+        kernels, cfg = self.kernels, self.cfg
+        weight = self.input_embed.proj.weight
+        dtype, device, d = weight.dtype, weight.device, cfg.dim
+        if not kernels.compiled(weight):
+            return
+        with torch.inference_mode():
+            if kernels.fused_norms:
+                # as the layer calls them: chunks of one (r, 1, 6d) projection, in its order
+                # (dynamo guards on their storage offsets), distinct x and y
+                mods = torch.zeros(2, 1, 6 * d, dtype=dtype, device=device).chunk(6, dim=-1)
+                shift_a, scale_a, gate_a, shift_f, scale_f, _ = mods
+                x = torch.zeros(2, 100, d, dtype=dtype, device=device)
+                y = torch.zeros(2, 100, d, dtype=dtype, device=device)
+                mask = torch.ones(2, 100, 1, dtype=dtype, device=device)
+                _fused_norm_modulate(x, shift_a, scale_a, cfg.norm_eps)
+                _fused_residual_norm_modulate(x, gate_a, y, mask, shift_f, scale_f, cfg.norm_eps)
+            if kernels.flex_attention:
+                for rows, num_queries, num_keys in FLEX_WARM_SHAPES:
+                    # laid out as Attention's: (r, t, h, e) transposed; distinct k and v
+                    # (dynamo guards on strides and on aliasing)
+                    q, k, v = (
+                        torch.zeros(
+                            rows, n, cfg.heads, cfg.dim_head, dtype=dtype, device=device
+                        ).transpose(1, 2)
+                        for n in (num_queries, num_keys, num_keys)
+                    )
+                    lens = torch.full((rows,), num_keys, device=device)
+                    streaming = torch.arange(rows, device=device) % 2 == 0
+                    start = torch.full((rows,), num_keys - num_queries, device=device)
+                    mask = flex_block_mask(
+                        lens, streaming, num_keys, cfg.block_frames, start, num_queries
+                    )
+                    _flex_compiled(q, k, v, mask)
 
     def attention_mask(
         self,

@@ -191,7 +191,8 @@ def load_flow(
     `preset` (default "small"). With a checkpoint, depth and widths come from its tensors (the
     checkpoint wins; a different `preset` only logs a warning).
 
-    kernels: which DiT kernels run (`DiTKernels`: fused norms, FlexAttention); None: plain."""
+    kernels: which DiT kernels run (`DiTKernels`: fused norms, FlexAttention), compiled here
+    (on CUDA) for the shapes they will meet; None: plain."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype: {dtype} not supported (float32 or bfloat16; fp16 overflows)")
     if preset is not None and preset not in FLOW_PRESETS:
@@ -213,6 +214,7 @@ def load_flow(
     model = cast_model(model.to(device=device), dtype, fp32_sensitive).eval()
     if kernels is not None:
         model.decoder.estimator.kernels = kernels
+        model.decoder.estimator.warm_up_kernels()  # compiles (logged) before anything is served
     return model
 
 
