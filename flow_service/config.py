@@ -62,9 +62,9 @@ def build_parser() -> EnvParser:
         "--flex-attention",
         type=bool,
         default=False,
-        help="eager batches attend through FlexAttention with a block mask (skips padding and "
-        "a streaming row's later blocks) instead of a dense additive bias; compiled on CUDA; "
-        "CUDA-graphed batches keep the bias",
+        help="attend through FlexAttention with a block mask (skips padding and a streaming "
+        "row's later blocks) instead of a dense additive bias; compiled on CUDA when the model "
+        "loads; same mel within rounding",
     )
     p.flag(
         "--max-batch-size",

@@ -26,6 +26,7 @@ from flow_service.model import DiTKernels, FlowModel, FlowRequest, load_flow
 from flow_service.model import dit as dit_module
 from flow_service.model.dit import (
     DiTLayer,
+    FlexMask,
     flex_block_mask,
     norm_modulate,
     ragged_attention_bias,
@@ -191,8 +192,8 @@ def attention_case(query_start, seq_lens, streaming, num_queries, num_keys, seed
     lens, stream = torch.tensor(seq_lens), torch.tensor(streaming)
     qpos = start[:, None] + torch.arange(num_queries)
     bias = ragged_attention_bias(qpos, lens, stream, num_keys, 50, torch.float32)
-    block_mask = flex_block_mask(lens, stream, num_keys, 50, start, num_queries)
-    return q, k, v, bias, block_mask
+    mask = flex_block_mask(lens, stream, num_keys, 50, start, num_queries)
+    return q, k, v, bias, mask
 
 
 FLEX_CASES = [
@@ -215,11 +216,9 @@ def test_flex_attention_equals_sdpa_with_the_bias(
 ):
     from torch.nn.attention.flex_attention import flex_attention
 
-    q, k, v, bias, block_mask = attention_case(
-        query_start, seq_lens, streaming, num_queries, num_keys
-    )
+    q, k, v, bias, mask = attention_case(query_start, seq_lens, streaming, num_queries, num_keys)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-    got = flex_attention(q, k, v, block_mask=block_mask)
+    got = flex_attention(q, k, v, block_mask=mask.block_mask)
     assert not got.isnan().any()
     assert rel_err(got, want) <= REL
 
@@ -240,9 +239,9 @@ def test_compiled_flex_on_cpu(caplog):
     flex = _Compiled(_flex_eager, ragged=False)
     with caplog.at_level(logging.INFO, logger="flow_service.model.dit"):
         for case in FLEX_CASES * 2:
-            q, k, v, bias, block_mask = attention_case(*case)
+            q, k, v, bias, mask = attention_case(*case)
             with torch.inference_mode():
-                got = flex(q, k, v, block_mask)
+                got = flex(q, k, v, mask.block_mask)
             assert not got.isnan().any()
             assert rel_err(got, F.scaled_dot_product_attention(q, k, v, attn_mask=bias)) <= REL
     graphs = counters["stats"]["unique_graphs"] - before
@@ -267,7 +266,7 @@ def test_warm_up_compiles_what_serving_meets(model):
         for case in FLEX_CASES:
             with torch.inference_mode():  # as in generate: dynamo guards on inference tensors
                 q, k, v, bias, mask = attention_case(*case, heads=cfg.heads, e=cfg.dim_head)
-                got = dit_module._flex_compiled(q, k, v, mask)
+                got = dit_module._flex_compiled(q, k, v, mask.block_mask)
             assert rel_err(got, F.scaled_dot_product_attention(q, k, v, attn_mask=bias)) <= REL
     # the fused norms through generate (flex on the CPU runs its eager reference, not warmed)
     with kernels(model, fused_norms=True, compile_cpu=True):
@@ -287,16 +286,51 @@ def test_generate_with_flex_equals_the_bias_path(model, flex_calls):
         got = model.generate(reqs)
         steps, layers = len(model.decoder.steps), model.cfg.dit.depth
         assert len(flex_calls) == steps * layers
-        # a replacement estimator (CUDA graphs) gets the dense bias: it copies tensors only
+        # a replacement estimator (a CUDA-graph runner) gets the FlexMask too
         seen = []
 
         def estimator(*args):
             seen.append(args[5])
             return model.decoder.estimator(*args)
 
-        model.generate(reqs[:2], estimator=estimator)
+        got_replaced = model.generate(reqs[:3], estimator=estimator)
     assert_all_close(got, want, REL)
-    assert all(isinstance(b, torch.Tensor) for b in seen) and seen
+    assert_all_close(got_replaced, want[:3], REL)
+    assert seen and all(isinstance(mask, FlexMask) for mask in seen)
+
+
+@pytest.mark.parametrize(
+    "case_a, case_b, compiled",
+    # compiled flex reads the block tables (the eager reference may evaluate the mask densely)
+    [(0, 1, False), (1, 0, False), pytest.param(0, 1, True, marks=pytest.mark.slow)],
+)
+def test_flex_mask_static_copy_refills_like_a_graph_runner(case_a, case_b, compiled):
+    """What GraphedEstimator does with a FlexMask: a static copy at capture, refilled from each
+    later batch of the same shape (block tables and the per-row numbers the mask function
+    reads). The refilled copy must attend exactly as the later batch's own mask."""
+    cases = [
+        ([0, 0, 0, 0], [300, 120, 0, 260], [True, False, True, True], 300, 300),
+        ([0, 0, 0, 0], [77, 300, 180, 5], [False, True, True, False], 300, 300),
+    ]
+    from flow_service.model.dit import _Compiled, _flex_eager
+
+    flex = _Compiled(_flex_eager, ragged=False) if compiled else _flex_eager
+    with torch.inference_mode():
+        check_refill(flex, *(attention_case(*cases[i], seed=i) for i in (case_a, case_b)))
+
+
+def check_refill(flex, case_a, case_b) -> None:
+    *_, first = case_a
+    static = first.static_copy()  # at capture
+    q, k, v, bias, later = case_b
+    block_tables = [static.block_mask.kv_indices.data_ptr(), static.key_len.data_ptr()]
+    static.copy_(later)
+    assert [static.block_mask.kv_indices.data_ptr(), static.key_len.data_ptr()] == block_tables
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    assert rel_err(flex(q, k, v, static.block_mask), want) <= REL
+    assert rel_err(flex(q, k, v, first.block_mask), want) > 1e-3
+    with pytest.raises(ValueError, match="FlexMask.copy_"):
+        static.copy_(attention_case(*FLEX_CASES[1])[-1])
 
 
 def test_generate_with_flex_and_fused_and_the_prefix_cache(model, flex_calls):
@@ -337,7 +371,7 @@ def test_flags_reach_the_model(monkeypatch):
 @pytest.mark.gpu
 def test_cuda_kernels_match_the_plain_path(monkeypatch):
     """Full size, TF32 off: compiled fused norms and compiled flex, eager and under CUDA
-    graphs (fused only: graphed batches keep the bias), and with the prefix cache."""
+    graphs, and with the prefix cache."""
     from flow_service.model import GraphedEstimator, PrefixCache
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)

@@ -103,7 +103,7 @@ def flex_block_mask(
     block_frames: int,
     query_start: torch.Tensor | None = None,
     num_queries: int | None = None,
-):
+) -> FlexMask:
     """The visibility of `ragged_attention_bias` (padding masked) as a FlexAttention BlockMask:
     key j is visible to query q of row b, at absolute frame p = query_start[b] + q, iff
     j < max(seq_lens[b], 1) and (not streaming[b] or j < (p // block + 1) * block).
@@ -111,18 +111,72 @@ def flex_block_mask(
     Built once per solve (the layers and steps share it); blocks of keys nobody may read (the
     padding, a streaming row's later blocks) are skipped by the kernel instead of added as -inf.
     A row of length 0 keeps key 0, as in the bias: every query sees a key, so no NaN."""
-    num_rows = seq_lens.shape[0]
     device = seq_lens.device
     key_len = seq_lens.clamp(min=1)
-    start = torch.zeros_like(seq_lens) if query_start is None else query_start.to(device)
     full = ~streaming.to(device)
+    start = torch.zeros_like(seq_lens) if query_start is None else query_start.to(device)
     num_queries = num_keys if num_queries is None else num_queries
+    return FlexMask.build(key_len, full, start, block_frames, num_queries, num_keys)
 
-    def visible(b, h, q, k):
-        block_end = ((start[b] + q) // block_frames + 1) * block_frames
-        return (k < key_len[b]) & (full[b] | (k < block_end))
 
-    return create_block_mask(visible, num_rows, None, num_queries, num_keys, device=device)
+_BLOCK_MASK_TENSORS = (
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
+
+
+@dataclass
+class FlexMask:
+    """A FlexAttention BlockMask and the per-row tensors its mask function reads through a
+    closure: key length (>= 1), full-attention flag, absolute frame of the first query, (r,)
+    each.
+
+    A CUDA-graph runner treats it like a tensor input: `shape`/`dtype` key the graph,
+    `static_copy()` makes the buffers a graph captures, `copy_(new)` refills them (the block
+    tables and the per-row tensors) before a replay."""
+
+    block_mask: BlockMask
+    key_len: torch.Tensor
+    full: torch.Tensor
+    start: torch.Tensor
+    block_frames: int
+    dtype = torch.bool  # not a field: a graph key's "dtype" for a mask that is no tensor
+
+    @classmethod
+    def build(cls, key_len, full, start, block_frames, num_queries, num_keys) -> FlexMask:
+        def visible(b, h, q, k):
+            block_end = ((start[b] + q) // block_frames + 1) * block_frames
+            return (k < key_len[b]) & (full[b] | (k < block_end))
+
+        rows, device = key_len.shape[0], key_len.device
+        block_mask = create_block_mask(visible, rows, None, num_queries, num_keys, device=device)
+        return cls(block_mask, key_len, full, start, block_frames)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.block_mask.shape)
+
+    def static_copy(self) -> FlexMask:
+        num_queries, num_keys = self.block_mask.seq_lengths
+        rows = (self.key_len.clone(), self.full.clone(), self.start.clone())
+        return FlexMask.build(*rows, self.block_frames, num_queries, num_keys)
+
+    def copy_(self, src: FlexMask) -> FlexMask:
+        if src.shape != self.shape or src.block_frames != self.block_frames:
+            raise ValueError(f"FlexMask.copy_: shape {src.shape} into {self.shape}")
+        for name in ("key_len", "full", "start"):
+            getattr(self, name).copy_(getattr(src, name))
+        for name in _BLOCK_MASK_TENSORS:
+            dst = getattr(self.block_mask, name)
+            if dst is not None:
+                dst.copy_(getattr(src.block_mask, name))
+        return self
 
 
 def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float):
@@ -219,10 +273,9 @@ class DiTKernels:
     fused_norms: gate + residual (+ the frame mask) + layer norm + AdaLN modulate as one
         compiled function between sublayers (torch.compile on CUDA; the same function eagerly
         elsewhere unless `compile_cpu`, which exists for tests).
-    flex_attention: `DiT.attention_mask` returns a FlexAttention BlockMask instead of the dense
-        additive bias (compiled flex on CUDA, its eager reference elsewhere). Not for CUDA-graph
-        replays (the graph runner copies tensors, a BlockMask is not one): callers pass
-        `graphed=True` and get the bias.
+    flex_attention: `DiT.attention_mask` returns a `FlexMask` (a FlexAttention BlockMask)
+        instead of the dense additive bias: compiled flex on CUDA (eager and in CUDA-graph
+        replays, which refill a static copy), its eager reference elsewhere.
     """
 
     fused_norms: bool = False
@@ -377,9 +430,9 @@ class Attention(nn.Module):
         q = q.view(r, t, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t, e)
         key = key.view(r, t_keys, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t_keys, e)
         v = v.view(r, t_keys, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t_keys, e)
-        if isinstance(attn_bias, BlockMask):
+        if isinstance(attn_bias, FlexMask):
             flex = _flex_compiled if q.is_cuda else _flex_eager
-            o = flex(q, key, v, attn_bias)  # (r, h, t, e)
+            o = flex(q, key, v, attn_bias.block_mask)  # (r, h, t, e)
         else:
             o = F.scaled_dot_product_attention(q, key, v, attn_mask=attn_bias)  # (r, h, t, e)
         o = o.transpose(1, 2).reshape(r, t, self.heads * self.dim_head)  # (r, t, h*e)
@@ -509,7 +562,7 @@ class DiT(nn.Module):
                     mask = flex_block_mask(
                         lens, streaming, num_keys, cfg.block_frames, start, num_queries
                     )
-                    _flex_compiled(q, k, v, mask)
+                    _flex_compiled(q, k, v, mask.block_mask)
 
     def attention_mask(
         self,
@@ -519,14 +572,13 @@ class DiT(nn.Module):
         dtype: torch.dtype,
         query_pos: torch.Tensor | None = None,
         mask_padding: bool = True,
-        graphed: bool = False,
     ):
         """The attention mask of one solve, built once outside the layer loop: a FlexAttention
-        BlockMask with `kernels.flex_attention` (eager calls with the padding masked), else
+        `FlexMask` with `kernels.flex_attention` (unless `mask_padding` is off, a test's fault), else
         the additive bias (r, 1, q, num_keys). `query_pos` (r, q) gives each row's absolute
         query frames, consecutive from its first (the prefix cache); None: 0..num_keys-1."""
         block = self.cfg.block_frames
-        if self.kernels.flex_attention and mask_padding and not graphed:
+        if self.kernels.flex_attention and mask_padding:
             start = None if query_pos is None else query_pos[:, 0]
             num_queries = None if query_pos is None else query_pos.shape[1]
             return flex_block_mask(seq_lens, streaming, num_keys, block, start, num_queries)
@@ -557,7 +609,7 @@ class DiT(nn.Module):
         cond: torch.Tensor,  # (r, t, c) prompt mel in the prompt frames, else zero
         spks: torch.Tensor,  # (r, c) projected speaker vector; zero in unconditional rows
         tau: torch.Tensor,  # (r,) fp32 flow time per row
-        attn_bias,  # from `attention_mask`: (r, 1, t, t) additive bias, or a BlockMask
+        attn_bias,  # from `attention_mask`: (r, 1, t, t) additive bias, or a FlexMask
         frame_mask: torch.Tensor | None = None,  # (r, t, 1) 1 valid / 0 padded, compute dtype
         prefix=None,  # a prefix_cache.DiTPrefix: queries only for the frames after the context
     ) -> torch.Tensor:

@@ -116,7 +116,7 @@ class CFMDecoder(nn.Module):
         mu: torch.Tensor,  # (b, t, c) compute dtype
         cond: torch.Tensor,  # (b, t, c)
         spks: torch.Tensor,  # (b, c)
-        attn_bias,  # (r, 1, t, t) additive, or a BlockMask (DiT.attention_mask)
+        attn_bias,  # (r, 1, t, t) additive, or a FlexMask (DiT.attention_mask)
         frame_mask: torch.Tensor,  # (r, t, 1)
         estimator: Estimator | None = None,
         between_steps: Callable[[], None] | None = None,
@@ -262,14 +262,8 @@ class FlowModel(nn.Module):
         noise = noise_buffer(mu.device, self.cfg.max_frames)[:t]  # (t, c)
         noise = noise.expand(batch.num_rows, -1, -1)  # (b, t, c)
         seq_lens = batch.seq_lens.repeat(2)  # (r,) CFG rows share their request's masks
-        # the dense bias for replacement estimators (CUDA graphs copy tensors, not BlockMasks)
         bias = self.decoder.estimator.attention_mask(
-            seq_lens,
-            batch.streaming.repeat(2),
-            t,
-            mu.dtype,
-            mask_padding=mask_padding,
-            graphed=estimator is not None,
+            seq_lens, batch.streaming.repeat(2), t, mu.dtype, mask_padding=mask_padding
         )
         pos = torch.arange(t, device=mu.device)
         frame_mask = (pos[None, :] < seq_lens[:, None]).to(mu.dtype)[..., None]  # (r, t, 1)
