@@ -28,9 +28,10 @@ service runs batches of up to 64 requests). Per case and variant it prints:
   else 67 (fp32 SIMT);
 - exactness: max |mel - baseline mel| / max |baseline mel| of the same requests.
 
-It stops within --budget-s: cases run in order of importance (bf16 before fp32, large before
-small), and a case whose estimated cost (from the measured throughput so far) does not fit the
-time left is skipped and listed. The JSON (--out) is rewritten after every case.
+It stops starting work at --budget-s (a run already started finishes): cases run in order of
+importance (bf16 before fp32, large before small), and a variant whose estimated cost (from the
+throughput measured so far, plus a compile allowance on first use) does not fit the time left is
+skipped and listed. The JSON (--out) is rewritten after every case.
 """
 
 from __future__ import annotations
@@ -221,7 +222,8 @@ class Bench:
                 flush=True,
             )
         case["gflop_per_solve"] = round(flops / 1e9, 1)
-        self.results["cases"].append(case)
+        if case["variants"]:
+            self.results["cases"].append(case)
         self.save()
 
 
