@@ -36,6 +36,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from token2wav import MAX_FRAMES, SAMPLES_PER_FRAME
 from token2wav.invalid import InvalidInput
 from vocoder_service.model.config import F0_LOOK_RIGHT, HOLDBACK_FRAMES, HiFTConfig
+from vocoder_service.model.graphs import GraphedCore, ShapeBuckets
 from vocoder_service.model.layers import (
     CausalF0Predictor,
     CausalUpsample,
@@ -98,6 +99,8 @@ class HiFTGenerator(nn.Module):
         )
         self.f0_predictor = CausalF0Predictor(cfg).double()  # f0 precision sets seam phase
         self.register_buffer("stft_window", hann_window(cfg.istft_n_fft), persistent=False)
+        self.buckets = ShapeBuckets()  # batch padding; none unless CUDA graphs are on
+        self.graphed_core: GraphedCore | None = None
 
     # -- properties and dtype handling -----------------------------------------------------------
 
@@ -129,6 +132,32 @@ class HiFTGenerator(nn.Module):
             if parametrize.is_parametrized(module, "weight"):
                 parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
         return self
+
+    def set_cuda_graphs(self, buckets: ShapeBuckets | None, max_graphs: int = 48) -> None:
+        """Replay CUDA graphs for batches padded to `buckets` (graphs.py); None: back to the
+        eager path with no padding. Load and cast the model first; needs a CUDA device."""
+        if buckets is None:
+            self.buckets, self.graphed_core = ShapeBuckets(), None
+            return
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the model is on {self.device}")
+        self.buckets = buckets
+        self.graphed_core = GraphedCore(
+            self.synthesize_core, self.device, buckets, self.cfg.conv_pre_look_right, max_graphs
+        )
+
+    def warmup_graphs(self, chunks: tuple[int, ...] = (50, 100, 200)) -> int:
+        """Capture the graphs of the upstream streaming schedule (a first chunk of 50 frames,
+        then 100 and 200) at every row bucket, so serving does not capture them; returns the
+        number of graphs held. Does nothing without CUDA graphs."""
+        if self.graphed_core is None:
+            return 0
+        for rows in self.buckets.row_sizes:
+            states = [self.new_session() for _ in range(rows)]
+            for n in chunks:
+                mel = torch.full((self.cfg.in_channels, n), -5.0)
+                self.decode_batch(states, [mel] * rows, [False] * rows)
+        return len(self.graphed_core)
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -283,14 +312,19 @@ class HiFTGenerator(nn.Module):
         rows = [i for i, p in enumerate(plans) if p.num_out_samples > 0]
         if not rows:
             return audio
-        dev, b = self.device, len(rows)
         lens = [plans[i].dec_end - plans[i].window for i in rows]  # conv_pre outputs per row
         src_lens = [plans[i].src_end - plans[i].window for i in rows]
-        t, t_f0 = max(lens), max(src_lens)
-        look = cfg.conv_pre_look_right
+        # Padded batch shape: rows and frames may be rounded up (`self.buckets`, for graph
+        # reuse); padding rows and frames are like a longer row, never read by valid outputs.
+        b, t = self.buckets.rows(len(rows)), self.buckets.frames(max(lens))
+        t_f0 = t + max(src_lens) - max(lens)  # a row's source reaches 0 or 1 frame past its t
+        fps, look = cfg.stft_frames_per_frame, cfg.conv_pre_look_right
         mel_in = torch.zeros(b, cfg.in_channels, t + look)
         f0 = torch.zeros(b, t_f0, dtype=torch.float64)
         phase = torch.zeros(b, t_f0, cfg.num_harmonics, dtype=torch.float64)
+        noise_at = torch.zeros(b, dtype=torch.long)  # first source sample of each row
+        n_frames = torch.full((b,), fps * t + 1, dtype=torch.long)  # iSTFT frames per row
+        src_samples = torch.full((b,), SAMPLES_PER_FRAME * t_f0, dtype=torch.long)
         for r, i in enumerate(rows):
             p, st = plans[i], states[i]
             hi = min(p.dec_end + look, p.total)  # past the last frame: zeros (finalize)
@@ -300,23 +334,39 @@ class HiFTGenerator(nn.Module):
             a = p.window - st.f0_start
             f0[r, : src_lens[r]] = f0_rows[i][a : a + src_lens[r]]
             phase[r, : src_lens[r]] = phase_rows[i][a : a + src_lens[r]]
-        noise_at = torch.tensor([plans[i].window * SAMPLES_PER_FRAME for i in rows], device=dev)
-        idx = noise_at[:, None] + torch.arange(t_f0 * SAMPLES_PER_FRAME, device=dev)  # (b, l)
-        noise_buf = sine_noise_on(cfg.noise_seed, dev)
-        noise = noise_buf[idx.clamp_max(noise_buf.shape[0] - 1)]  # (b, l, m)
-        s = self.m_source.excitation(f0.to(dev, self.source_dtype), phase.to(dev), noise)
-        fps = cfg.stft_frames_per_frame
-        n_frames = torch.tensor([fps * x + 1 for x in lens])
-        src_samples = torch.tensor([SAMPLES_PER_FRAME * x for x in src_lens])
-        stft = source_stft(s, src_samples, fps * t + 1, self.stft_window, cfg.istft_hop)
-        x = self.decoder(mel_in.to(dev, self.dtype), stft.to(self.dtype))
-        wav = istft_head(x, n_frames, self.stft_window, cfg.istft_hop, cfg.magnitude_limit)
-        wav = wav.clamp(-cfg.audio_limit, cfg.audio_limit).to("cpu", out_dtype)  # (b, 480 t)
+            noise_at[r] = p.window * SAMPLES_PER_FRAME
+            n_frames[r] = fps * lens[r] + 1
+            src_samples[r] = SAMPLES_PER_FRAME * src_lens[r]
+        core = self.graphed_core if self.graphed_core is not None else self.synthesize_core
+        wav = core(mel_in, f0, phase, noise_at, n_frames, src_samples)  # (b, 480 t), device
+        wav = wav[: len(rows)].to("cpu", out_dtype)
         for r, i in enumerate(rows):
             p = plans[i]
             a = (p.out[0] - p.window) * SAMPLES_PER_FRAME
             audio[i] = wav[r, a : a + p.num_out_samples].clone()
         return audio
+
+    def synthesize_core(self, mel_in, f0, phase, noise_at, n_frames, src_samples):
+        """The device part of a batch, from padded host or device inputs to clamped audio:
+        mel_in (b, c, t + 4), f0 (b, t_f0) float64, phase (b, t_f0, m) float64, and per row
+        noise_at (first source sample), n_frames (iSTFT frames), src_samples (valid source
+        samples), all (b,) long -> (b, 480 t) on the device, in the decoder's dtype (float32
+        for bfloat16). Nothing here synchronises with the host (CUDA-graph capturable)."""
+        cfg = self.cfg
+        dev = self.device
+        mel_in, f0, phase = mel_in.to(dev), f0.to(dev), phase.to(dev)
+        noise_at, n_frames, src_samples = noise_at.to(dev), n_frames.to(dev), src_samples.to(dev)
+        t = mel_in.shape[-1] - cfg.conv_pre_look_right
+        t_f0 = f0.shape[1]
+        idx = noise_at[:, None] + torch.arange(t_f0 * SAMPLES_PER_FRAME, device=dev)  # (b, l)
+        noise_buf = sine_noise_on(cfg.noise_seed, dev)
+        noise = noise_buf[idx.clamp_max(noise_buf.shape[0] - 1)]  # (b, l, m)
+        s = self.m_source.excitation(f0.to(self.source_dtype), phase, noise)
+        num_stft = cfg.stft_frames_per_frame * t + 1
+        stft = source_stft(s, src_samples, num_stft, self.stft_window, cfg.istft_hop)
+        x = self.decoder(mel_in.to(self.dtype), stft.to(self.dtype))
+        wav = istft_head(x, n_frames, self.stft_window, cfg.istft_hop, cfg.magnitude_limit)
+        return wav.clamp(-cfg.audio_limit, cfg.audio_limit)
 
     def decoder(self, mel_in: torch.Tensor, stft: torch.Tensor) -> torch.Tensor:
         """mel_in (b, c, t + 4) incl. conv_pre's right context, stft (b, 18, u), u = 120 t + 1

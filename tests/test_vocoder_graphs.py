@@ -1,0 +1,206 @@
+"""Vocoder batch padding to shape buckets and CUDA-graph replay (issue 17, item 3): padded
+batches equal unpadded ones on the CPU, the graph wrapper's bookkeeping (static inputs, LRU,
+eager fallback) with a stand-in graph on the CPU, and graphed vs eager on a GPU."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from bench.hift_model_gpu import batched_and_solo, make_mel, upstream_schedule
+from tests.test_vocoder_model import _one_thread  # noqa: F401 - autouse: one CPU thread
+from vocoder_service.model import load_hift
+from vocoder_service.model.graphs import GraphedCore, ShapeBuckets
+
+BUCKETS = ShapeBuckets(row_sizes=(1, 2, 4, 8), frame_multiple=16, max_frames=256)
+# Padded vs unpadded is the same math; only the kernels oneDNN/cuDNN pick by shape differ. In
+# float64 that is 0 here; in float32 ~1.3e-7 absolute (~2e-6 of the random model's 0.07 peak),
+# so the fp32 bound is 1e-6 of full scale (|audio| <= 0.99), as for batched vs solo.
+TOL_FP32 = 1e-6
+TOL_FP64 = 1e-12
+
+
+@pytest.fixture(scope="module")
+def small():
+    return load_hift(None, preset="small")
+
+
+def padded_model(dtype=torch.float32):
+    model = load_hift(None, preset="small", dtype=dtype)
+    model.buckets = BUCKETS  # what set_cuda_graphs does, without needing CUDA
+    return model
+
+
+@pytest.fixture(scope="module")
+def padded():
+    return padded_model()
+
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def run_schedule(model, mels, schedules, finals):
+    """All streams advanced together, one batch per step: per stream the concatenated audio."""
+    states = [model.new_session() for _ in mels]
+    pos, out = [0] * len(mels), [[] for _ in mels]
+    for step in range(max(len(s) for s in schedules)):
+        rows = [i for i, s in enumerate(schedules) if step < len(s)]
+        chunks, fins = [], []
+        for i in rows:
+            n = schedules[i][step]
+            chunks.append(mels[i][:, pos[i] : pos[i] + n])
+            fins.append(finals[i] and step == len(schedules[i]) - 1)
+            pos[i] += n
+        for i, a in zip(rows, model.decode_batch([states[i] for i in rows], chunks, fins)):
+            out[i].append(a)
+    return [torch.cat(a) for a in out], states
+
+
+def test_shape_buckets():
+    assert [BUCKETS.rows(n) for n in (1, 2, 3, 5, 8, 9, 40)] == [1, 2, 4, 8, 8, 9, 40]
+    assert [BUCKETS.frames(t) for t in (1, 16, 17, 43, 138, 238, 256, 257, 900)] == [
+        16, 16, 32, 48, 144, 240, 256, 257, 900,
+    ]  # fmt: skip
+    assert BUCKETS.bucketed(4, 48) and not BUCKETS.bucketed(3, 48)
+    assert not BUCKETS.bucketed(4, 43) and not BUCKETS.bucketed(16, 48)
+    assert not BUCKETS.bucketed(4, 272)  # past max_frames: eager, unpadded
+    none = ShapeBuckets()
+    assert none.rows(5) == 5 and none.frames(43) == 43 and not none.bucketed(1, 16)
+    for bad in ({"row_sizes": (4, 2)}, {"row_sizes": (0, 1)}, {"frame_multiple": 0}):
+        with pytest.raises(ValueError):
+            ShapeBuckets(**bad)
+
+
+def test_padded_streams_equal_unpadded(small, padded):
+    """Upstream's schedule (50, 100, 200, ...) and ragged ones, 5 streams batched together,
+    flushed and held back: padding rows and frames changes no sample beyond rounding, and
+    leaves every session state bit for bit the same."""
+    rng = random.Random(5)
+    mels = [make_mel(330 + 40 * i, seed=60 + i) for i in range(5)]
+    schedules = [upstream_schedule(mels[0].shape[1])]
+    for m in mels[1:]:
+        sizes, n = [], 0
+        while n < m.shape[1]:
+            sizes.append(min(rng.randint(1, 120), m.shape[1] - n))
+            n += sizes[-1]
+        schedules.append(sizes)
+    finals = [True, False, True, True, False]
+    ref, ref_states = run_schedule(small, mels, schedules, finals)
+    got, got_states = run_schedule(padded, mels, schedules, finals)
+    for a, b, sa, sb in zip(got, ref, got_states, ref_states):
+        assert a.shape == b.shape
+        assert max_abs(a, b) <= TOL_FP32
+        assert sa.to_bytes() == sb.to_bytes()
+    # and the padded model still equals the full-history decode (invariant 3)
+    full = small.decode(mels[0], finalize=True)
+    assert max_abs(got[0], full) <= 1e-5
+
+
+def test_padding_is_exact_in_float64():
+    """In float64 the rounding differences vanish: padding changes nothing a row reads."""
+    mels = [make_mel(260 + 30 * i, seed=65 + i) for i in range(3)]
+    schedules = [upstream_schedule(260), [1] * 20 + [77, 100, 93], [13] * 22 + [34]]
+    finals = [True, False, True]
+    ref, _ = run_schedule(
+        load_hift(None, preset="small", dtype=torch.float64), mels, schedules, finals
+    )
+    got, _ = run_schedule(padded_model(torch.float64), mels, schedules, finals)
+    for a, b in zip(got, ref):
+        assert max_abs(a, b) <= TOL_FP64 * float(b.abs().max())
+
+
+def test_padded_ragged_batch_equals_solo(small, padded):
+    mels = [make_mel(320, seed=70 + i) for i in range(6)]
+    history, chunk = [0, 3, 20, 60, 150, 240], [50, 7, 100, 1, 13, 80]
+    finalize = [False, True, False, False, True, True]
+    batched, _, _, _ = batched_and_solo(padded, mels, history, chunk, finalize)
+    _, solo, _, _ = batched_and_solo(small, mels, history, chunk, finalize)
+    for a, b in zip(batched, solo):
+        assert max_abs(a, b) <= TOL_FP32
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: replay re-runs the core on the static
+    inputs it was recorded with and writes into the same output tensor, as a graph does."""
+
+    def __init__(self, core, static):
+        self.core, self.static = core, static
+        self.output = core(*static)
+
+    def replay(self):
+        self.output.copy_(self.core(*self.static))
+
+
+@pytest.fixture
+def fake_graphed(monkeypatch):
+    def record(self, static):
+        graph = _FakeGraph(self.core, static)
+        return graph, graph.output
+
+    monkeypatch.setattr(GraphedCore, "_record", record)
+    model = load_hift(None, preset="small")
+    model.buckets = BUCKETS
+    model.graphed_core = GraphedCore(
+        model.synthesize_core, model.device, BUCKETS, model.cfg.conv_pre_look_right, max_graphs=2
+    )
+    return model
+
+
+def test_graph_wrapper_replays_with_fresh_inputs(small, fake_graphed):
+    core = fake_graphed.graphed_core
+    mels = [make_mel(300, seed=80 + i) for i in range(3)]
+    schedules = [[50, 100, 100, 50]] * 3  # shapes: first chunk, then twice the same 100-frame one
+    ref, _ = run_schedule(small, mels, schedules, [False] * 3)
+    got, _ = run_schedule(fake_graphed, mels, schedules, [False] * 3)
+    for a, b in zip(got, ref):
+        assert max_abs(a, b) <= TOL_FP32  # a replay that kept old inputs would differ here
+    # 3 rows pad to 4; shapes 50 -> 48 frames, 100 -> 144 (twice), 50 -> 96: three graphs, one
+    # evicted (max_graphs=2), every call a replay.
+    assert core.captures == 3 and len(core) == 2 and core.replays == 4
+
+
+def test_graph_wrapper_runs_unbucketed_shapes_eagerly(fake_graphed):
+    core = fake_graphed.graphed_core
+    st = fake_graphed.new_session()
+    y = fake_graphed.decode_one(st, make_mel(300, seed=90), finalize=True)  # 300 frames > 256
+    assert y.shape == (300 * 480,) and core.captures == 0 and core.replays == 0
+
+
+def test_set_cuda_graphs_needs_cuda(small):
+    with pytest.raises(ValueError, match="CUDA"):
+        small.set_cuda_graphs(BUCKETS)
+    small.set_cuda_graphs(None)  # off is always allowed
+    assert small.graphed_core is None and small.buckets == ShapeBuckets()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphs_equal_eager(dtype):
+    """Graphed vs eager at the same padded shapes (same kernels: rounding only), and in fp32
+    vs the unpadded eager path of the flag off."""
+    torch.backends.cudnn.allow_tf32 = False
+    eager = load_hift(None, preset="small", device="cuda", dtype=dtype)
+    eager_padded = load_hift(None, preset="small", device="cuda", dtype=dtype)
+    eager_padded.buckets = BUCKETS
+    graphed = load_hift(None, preset="small", device="cuda", dtype=dtype)
+    graphed.set_cuda_graphs(BUCKETS)
+    assert graphed.warmup_graphs() == 3 * len(BUCKETS.row_sizes)  # 50, 100, 200-frame chunks
+    mels = [make_mel(400, seed=100 + i) for i in range(3)]
+    schedules = [upstream_schedule(400), [50, 100, 7, 200, 43], [1] * 30 + [120, 250]]
+    finals = [True, True, False]
+    got, got_states = run_schedule(graphed, mels, schedules, finals)
+    assert graphed.graphed_core.replays > 0
+    same, _ = run_schedule(eager_padded, mels, schedules, finals)
+    for a, b in zip(got, same):
+        assert a.shape == b.shape and max_abs(a, b) <= (
+            TOL_FP32 if dtype == torch.float32 else 1e-3
+        )
+    if dtype == torch.float32:
+        ref, ref_states = run_schedule(eager, mels, schedules, finals)
+        for a, b, sa, sb in zip(got, ref, got_states, ref_states):
+            assert a.shape == b.shape and max_abs(a, b) <= 1e-5
+            assert sa.to_bytes() == sb.to_bytes()
