@@ -177,6 +177,37 @@ def test_set_cuda_graphs_needs_cuda(small):
     assert small.graphed_core is None and small.buckets == ShapeBuckets()
 
 
+def test_runner_warmup_captures_the_streaming_shapes(fake_graphed):
+    from vocoder_service.runner import HiFTRunner
+
+    buckets = ShapeBuckets(row_sizes=(1, 2), frame_multiple=16, max_frames=256)
+    fake_graphed.buckets = fake_graphed.graphed_core.buckets = buckets
+    fake_graphed.graphed_core.max_graphs = 16
+    HiFTRunner(fake_graphed, "cpu").warmup()
+    # the dummy batch (24 frames -> 32) and, per row bucket, chunks of 50, 100, 200 frames
+    # (decoder windows 43 -> 48, 138 -> 144, 238 -> 240)
+    keys = sorted((k[0][0][0], k[0][0][2] - 4) for k in fake_graphed.graphed_core._graphs)
+    assert keys == [(1, 32), (1, 48), (1, 144), (1, 240), (2, 48), (2, 144), (2, 240)]
+
+
+def test_flags_reach_the_config_and_cpu_ignores_them():
+    from vocoder_service.config import ModelConfig, build_parser
+    from vocoder_service.config import VocoderServiceConfig as Config
+    from vocoder_service.service import VocoderService, graph_buckets
+
+    argv = ["--cuda-graphs", "true", "--graph-max-rows", "20", "--graph-frame-multiple", "8"]
+    cfg = Config.from_args(build_parser().parse_args(argv)).model
+    assert cfg.cuda_graphs and cfg.graph_max_rows == 20 and cfg.graph_max_frames == 256
+    assert graph_buckets(cfg) is None  # device cpu: the flag is ignored
+    cuda = ModelConfig(device="cuda:1", cuda_graphs=True, graph_max_rows=20, graph_frame_multiple=8)
+    assert graph_buckets(cuda) == ShapeBuckets((1, 2, 4, 8, 12, 16, 20), 8, 256)
+    assert graph_buckets(ModelConfig(device="cuda")) is None  # off by default
+    assert VocoderService(Config(model=cfg)).model.graphed_core is None
+    for bad in ({"graph_max_rows": 0}, {"graph_frame_multiple": 0}, {"graph_max_frames": 8}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ModelConfig(**bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_equal_eager(dtype):

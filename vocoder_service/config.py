@@ -84,8 +84,19 @@ class ModelConfig:
     # How the sine source's phase is rounded (layers.SourceModule): "exact" integrates f0 in
     # float64 (no drift over 300 s); "upstream" reproduces upstream's float32 cumsum rounding.
     phase_mode: str = "exact"
+    # CUDA-graph replay of the vocoder batch (model/graphs.py), on CUDA only: batches are padded
+    # to row buckets up to graph_max_rows and to a multiple of graph_frame_multiple frames up
+    # to graph_max_frames (padding changes no sample beyond rounding); larger ones run eagerly.
+    cuda_graphs: bool = False
+    graph_max_rows: int = 32
+    graph_max_frames: int = 256
+    graph_frame_multiple: int = 16
 
     def __post_init__(self):
+        if self.graph_max_rows < 1 or self.graph_frame_multiple < 1:
+            raise ValueError("graph_max_rows and graph_frame_multiple must be >= 1")
+        if self.graph_max_frames < self.graph_frame_multiple:
+            raise ValueError("graph_max_frames must be >= graph_frame_multiple")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: want float32 or bfloat16")
         if self.phase_mode not in PHASE_MODES:
@@ -117,6 +128,32 @@ def build_parser() -> EnvParser:
         choices=["exact", "upstream"],
         help="sine phase rounding: exact (float64, no drift on long utterances) or upstream "
         "(upstream's float32 cumsum, as upstream on CPU); sessions only move between equal modes",
+    )
+    p.flag(
+        "--cuda-graphs",
+        type=bool,
+        default=False,
+        help="on CUDA, replay captured graphs of the vocoder batch (rows and frames padded to "
+        "buckets; the same samples up to rounding); ignored on CPU",
+    )
+    p.flag(
+        "--graph-max-rows",
+        type=int,
+        default=ModelConfig.graph_max_rows,
+        help="largest vocoder batch (sessions) run through CUDA graphs; row buckets 1, 2, 4, 8, "
+        "12, 16, 24, 32, ... up to it",
+    )
+    p.flag(
+        "--graph-max-frames",
+        type=int,
+        default=ModelConfig.graph_max_frames,
+        help="longest decoder window (frames: a chunk plus ~45 of context) run through graphs",
+    )
+    p.flag(
+        "--graph-frame-multiple",
+        type=int,
+        default=ModelConfig.graph_frame_multiple,
+        help="graphed windows are padded to a multiple of this many frames (fewer graphs)",
     )
     p.flag("--max-sessions", type=int, default=s.max_num_sessions, help="open sessions cap")
     p.flag("--idle-timeout", type=float, default=s.idle_timeout_s, help="s before eviction")
@@ -173,6 +210,10 @@ class VocoderServiceConfig:
                 args.device,
                 args.dtype,
                 args.phase_mode,
+                args.cuda_graphs,
+                args.graph_max_rows,
+                args.graph_max_frames,
+                args.graph_frame_multiple,
             ),
             sessions=SessionConfig(
                 max_num_sessions=args.max_sessions,

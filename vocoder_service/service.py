@@ -29,13 +29,28 @@ def resolve_preset(cfg: ModelConfig) -> str:
 def load_model(cfg: ModelConfig) -> Any:
     from vocoder_service.model import load_hift
 
-    return load_hift(
+    model = load_hift(
         cfg.model_dir,
         device=cfg.device,
         dtype=DTYPES[cfg.dtype],
         preset=resolve_preset(cfg),
         phase_mode=cfg.phase_mode,
     )
+    buckets = graph_buckets(cfg)
+    if buckets is not None:
+        model.set_cuda_graphs(buckets)
+    return model
+
+
+def graph_buckets(cfg: ModelConfig):
+    """The CUDA-graph shape buckets the config asks for; None when graphs are off or not on
+    CUDA (the flag is ignored on CPU)."""
+    from vocoder_service.model.graphs import DEFAULT_ROW_SIZES, ShapeBuckets
+
+    if not cfg.cuda_graphs or not cfg.device.startswith("cuda"):
+        return None
+    rows = sorted({r for r in DEFAULT_ROW_SIZES if r < cfg.graph_max_rows} | {cfg.graph_max_rows})
+    return ShapeBuckets(tuple(rows), cfg.graph_frame_multiple, cfg.graph_max_frames)
 
 
 def model_tag(cfg: ModelConfig, model: Any) -> str:
