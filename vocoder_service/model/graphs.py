@@ -146,6 +146,7 @@ class GraphedCore:
                 self.core(*static)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread's CUDA work (a second model in the process) may go on
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             output = self.core(*static)
         return graph, output

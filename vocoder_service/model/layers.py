@@ -80,7 +80,8 @@ class CausalUpsample(nn.Conv1d):
         self.rate = rate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.repeat_interleave(self.rate, dim=2)
+        b, c, t = x.shape  # nearest-neighbour repeat as a view + one copy (no repeats tensor)
+        x = x[..., None].expand(b, c, t, self.rate).reshape(b, c, t * self.rate)
         return super().forward(x)[..., : x.shape[-1]]
 
 
