@@ -11,6 +11,7 @@ import torch
 
 from bench.hift_model_gpu import batched_and_solo, make_mel, upstream_schedule
 from tests.test_vocoder_model import _one_thread  # noqa: F401 - autouse: one CPU thread
+from vocoder_service.metrics import GRAPH_CALLS
 from vocoder_service.model import load_hift
 from vocoder_service.model.graphs import GraphedCore, ShapeBuckets
 
@@ -183,11 +184,23 @@ def test_runner_warmup_captures_the_streaming_shapes(fake_graphed):
     buckets = ShapeBuckets(row_sizes=(1, 2), frame_multiple=16, max_frames=256)
     fake_graphed.buckets = fake_graphed.graphed_core.buckets = buckets
     fake_graphed.graphed_core.max_graphs = 16
-    HiFTRunner(fake_graphed, "cpu").warmup()
+
+    def calls():
+        return {p: GRAPH_CALLS.labels(p)._value.get() for p in ("capture", "replay", "eager")}
+
+    before = calls()
+    runner = HiFTRunner(fake_graphed, "cpu")
+    runner.warmup()
     # the dummy batch (24 frames -> 32) and, per row bucket, chunks of 50, 100, 200 frames
     # (decoder windows 43 -> 48, 138 -> 144, 238 -> 240)
     keys = sorted((k[0][0][0], k[0][0][2] - 4) for k in fake_graphed.graphed_core._graphs)
     assert keys == [(1, 32), (1, 48), (1, 144), (1, 240), (2, 48), (2, 144), (2, 240)]
+    mels = [make_mel(300, seed=95).numpy(), make_mel(50, seed=96).numpy()]
+    out = runner.execute([runner.new_state()], mels[:1], [True])  # 300 frames: past the buckets
+    assert out.errors == [None] and out.audio[0].shape == (300 * 480,)
+    runner.execute([runner.new_state()], mels[1:], [False])  # a first chunk: held graph
+    after = calls()
+    assert {p: after[p] - before[p] for p in after} == {"capture": 7, "replay": 1, "eager": 1}
 
 
 def test_flags_reach_the_config_and_cpu_ignores_them():

@@ -43,3 +43,10 @@ STATE_BYTES = Gauge(
     "Bytes held by all sessions: HiFT state + reorder buffer + retry cache",
 )
 MAX_SESSION_BYTES = Gauge("t2w_vocoder_max_session_bytes", "Largest single session, bytes")
+GRAPH_CALLS = Counter(
+    "t2w_vocoder_graph_calls_total",
+    "Vocoder batches with --cuda-graphs on, by what ran: replay of a held graph, capture of a "
+    "new shape (then a replay; a capture costs a few eager batches), or eager (a shape past "
+    "the buckets); start-up captures included",
+    ["path"],  # replay | capture | eager
+)

@@ -19,6 +19,7 @@ import torch
 
 from token2wav import MEL_BINS
 from token2wav.errors import InvalidArgument
+from vocoder_service.metrics import GRAPH_CALLS
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class HiFTRunner:
         # A dedicated stream keeps the worker thread's kernels off the default stream, so
         # anything else on the device (another model in the process) does not serialise with it.
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._graph_counts = (0, 0, 0)  # the model's graph (captures, replays, eager) so far
 
     def new_state(self) -> Any:
         return self.model.new_session()
@@ -69,8 +71,19 @@ class HiFTRunner:
             if self.stream is not None:
                 self.stream.synchronize()
         out.compute_ms = (time.perf_counter() - start) * 1e3
+        graphs = getattr(self.model, "graphed_core", None)
+        if graphs is not None:
+            self._count_graph_calls(graphs)
         out.state_samples = [getattr(s, "num_samples_emitted", None) for s in states]
         return out
+
+    def _count_graph_calls(self, graphs) -> None:
+        counts = (graphs.captures, graphs.replays, graphs.eager)
+        captures, replays, eager = (a - b for a, b in zip(counts, self._graph_counts))
+        self._graph_counts = counts
+        GRAPH_CALLS.labels("capture").inc(captures)
+        GRAPH_CALLS.labels("replay").inc(replays - captures)
+        GRAPH_CALLS.labels("eager").inc(eager)
 
     def _run_slots(self, slots: list[int], states, mels, finalize, out: BatchOutput) -> None:
         """Run `slots` as one batch; a bad row is taken out (the model validates every row before
@@ -121,6 +134,7 @@ class HiFTRunner:
                 n = capture()
                 if self.stream is not None:
                     self.stream.synchronize()
+            self._count_graph_calls(self.model.graphed_core)  # start-up captures count too
             logger.info("captured %d HiFT CUDA graphs in %.1f s", n, time.perf_counter() - start)
         return out.compute_ms
 

@@ -8,6 +8,7 @@ still covers them.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -123,6 +124,7 @@ def _resblock_left(kernel_sizes: tuple[int, ...], dilations) -> int:
     return max(sum((k - 1) * d + (k - 1) for d in dils) for k, dils in zip(kernel_sizes, dilations))
 
 
+@functools.lru_cache(maxsize=64)  # a pure function of a frozen config; every chunk asks
 def receptive_field_frames(cfg: HiFTConfig) -> int:
     """Smallest R such that, with f0 and the source frozen, every output sample of mel frame
     >= w0 + R is independent of anything before frame w0 of a decode window.

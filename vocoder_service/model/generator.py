@@ -133,7 +133,7 @@ class HiFTGenerator(nn.Module):
                 parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
         return self
 
-    def set_cuda_graphs(self, buckets: ShapeBuckets | None, max_graphs: int = 48) -> None:
+    def set_cuda_graphs(self, buckets: ShapeBuckets | None, max_graphs: int = 256) -> None:
         """Replay CUDA graphs for batches padded to `buckets` (graphs.py); None: back to the
         eager path with no padding. Load and cast the model first; needs a CUDA device."""
         if buckets is None:

@@ -82,8 +82,8 @@ class GraphedCore:
         device: torch.device,
         buckets: ShapeBuckets,
         look_right: int,
-        max_graphs: int = 48,
-        warmup: int = 2,
+        max_graphs: int = 256,
+        warmup: int = 1,
     ):
         if max_graphs < 1:
             raise ValueError("max_graphs must be >= 1")
@@ -95,6 +95,7 @@ class GraphedCore:
         self.warmup = warmup
         self.captures = 0  # graphs captured so far (evicted ones included)
         self.replays = 0
+        self.eager = 0  # calls with a shape the buckets do not produce
         self._graphs: OrderedDict[tuple, _Entry] = OrderedDict()
         self._pool = None
 
@@ -109,6 +110,7 @@ class GraphedCore:
         mel_in = args[0]
         frames = mel_in.shape[-1] - self.look_right
         if not self.buckets.bucketed(mel_in.shape[0], frames):
+            self.eager += 1
             return self.core(*args)
         key = tuple((tuple(a.shape), a.dtype) for a in args)
         with torch.inference_mode():
