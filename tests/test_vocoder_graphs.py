@@ -178,6 +178,23 @@ def test_set_cuda_graphs_needs_cuda(small):
     assert small.graphed_core is None and small.buckets == ShapeBuckets()
 
 
+def test_failed_capture_falls_back_to_eager(small, monkeypatch, caplog):
+    def broken(self, static):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(GraphedCore, "_record", broken)
+    model = load_hift(None, preset="small")
+    model.buckets = BUCKETS
+    model.graphed_core = core = GraphedCore(model.synthesize_core, "cpu", BUCKETS, 4)
+    mels = [make_mel(150, seed=97 + i) for i in range(2)]
+    ref, _ = run_schedule(small, mels, [[50, 100]] * 2, [False, True])
+    got, _ = run_schedule(model, mels, [[50, 100]] * 2, [False, True])
+    for a, b in zip(got, ref):
+        assert max_abs(a, b) <= TOL_FP32
+    assert "not permitted" in core.failed and core.eager == 2 and core.replays == 0
+    assert "capture failed" in caplog.text
+
+
 def test_runner_warmup_captures_the_streaming_shapes(fake_graphed):
     from vocoder_service.runner import HiFTRunner
 

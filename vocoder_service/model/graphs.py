@@ -19,11 +19,15 @@ buffer; the caller copies it to the host before the next call (`_synthesize` doe
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_ROW_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)
 
@@ -95,7 +99,8 @@ class GraphedCore:
         self.warmup = warmup
         self.captures = 0  # graphs captured so far (evicted ones included)
         self.replays = 0
-        self.eager = 0  # calls with a shape the buckets do not produce
+        self.eager = 0  # calls with a shape the buckets do not produce, or after a failure
+        self.failed: str | None = None  # why a capture failed; then every call runs eagerly
         self._graphs: OrderedDict[tuple, _Entry] = OrderedDict()
         self._pool = None
 
@@ -109,14 +114,28 @@ class GraphedCore:
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         mel_in = args[0]
         frames = mel_in.shape[-1] - self.look_right
-        if not self.buckets.bucketed(mel_in.shape[0], frames):
+        if self.failed or not self.buckets.bucketed(mel_in.shape[0], frames):
             self.eager += 1
             return self.core(*args)
         key = tuple((tuple(a.shape), a.dtype) for a in args)
         with torch.inference_mode():
             entry = self._graphs.get(key)
             if entry is None:
-                entry = self._capture(key, args)
+                start = time.perf_counter()
+                try:
+                    entry = self._capture(key, args)
+                except Exception as exc:  # noqa: BLE001 - serving goes on eagerly, said once
+                    self.failed = repr(exc)
+                    self.clear()
+                    logger.error("HiFT CUDA-graph capture failed, running eagerly: %r", exc)
+                    self.eager += 1
+                    return self.core(*args)
+                logger.info(
+                    "captured a HiFT CUDA graph: %d rows x %d frames in %.0f ms",
+                    mel_in.shape[0],
+                    frames,
+                    (time.perf_counter() - start) * 1e3,
+                )
             else:
                 self._graphs.move_to_end(key)
                 for src, dst in zip(args, entry.inputs):
