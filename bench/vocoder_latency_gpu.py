@@ -15,9 +15,9 @@ runner's CUDA stream), for the four shapes that set single-stream and loaded lat
     100f x24     24 sessions, each a 100-frame chunk
 
 For each, in float32 (torch's default TF32 settings, as the service runs) and bfloat16: median
-and p90 ms per batch with `--cuda-graphs` off (eager, unpadded) and on (rows and frames padded
-to the service's default buckets, graph replay; the capture happens before timing, as the
-service's warm-up does), the max abs difference of the audio between off and on, and, for the
+and p90 ms per batch with `--cuda-graphs` off (eager, unpadded) and on (Snake in 4 kernels,
+rows and frames padded to the service's default buckets, graph replay; the capture happens
+before timing, as the service's warm-up does), the max abs difference of the audio between off and on, and, for the
 eager path, the number of GPU kernels per batch and their summed GPU time from one profiled
 batch: kernel time far below the wall time means the batch is launch-bound.
 
@@ -64,8 +64,8 @@ def make_mel(frames: int, seed: int) -> np.ndarray:
 
 
 class Modes:
-    """One model, switched between the flag off (eager, no padding) and on (buckets + graphs;
-    on the CPU only the padding, there being no graphs)."""
+    """One model, switched between the flag off (eager, no padding) and on (fused Snake,
+    buckets, graphs; on the CPU no graphs)."""
 
     def __init__(self, model):
         self.model = model
@@ -77,6 +77,7 @@ class Modes:
             self.graphed = GraphedCore(model.synthesize_core, model.device, self.buckets, look)
 
     def set(self, on: bool) -> None:
+        self.model.fuse_snake(on)  # as the service's load_model does with the flag on
         self.model.buckets = self.buckets if on else ShapeBuckets()
         self.model.graphed_core = self.graphed if on else None
 

@@ -14,6 +14,7 @@ from tests.test_vocoder_model import _one_thread  # noqa: F401 - autouse: one CP
 from vocoder_service.metrics import GRAPH_CALLS
 from vocoder_service.model import load_hift
 from vocoder_service.model.graphs import GraphedCore, ShapeBuckets
+from vocoder_service.model.layers import Snake
 
 BUCKETS = ShapeBuckets(row_sizes=(1, 2, 4, 8), frame_multiple=16, max_frames=256)
 # Padded vs unpadded is the same math; only the kernels oneDNN/cuDNN pick by shape differ. In
@@ -122,6 +123,49 @@ def test_padded_ragged_batch_equals_solo(small, padded):
     _, solo, _, _ = batched_and_solo(small, mels, history, chunk, finalize)
     for a, b in zip(batched, solo):
         assert max_abs(a, b) <= TOL_FP32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_fused_snake_equals_plain(dtype):
+    """Same values up to the rounding of a fused multiply-add (CPU kernels use FMA too)."""
+    torch.manual_seed(0)
+    snake = Snake(64).to(dtype)
+    snake.alpha.uniform_(0.05, 3.0)
+    x = (torch.randn(3, 64, 500) * 4).to(dtype)
+    tol = {"rtol": 2 * torch.finfo(dtype).eps, "atol": 2 * torch.finfo(dtype).eps * 16}
+
+    def both():
+        snake.fused = False
+        plain = snake(x)
+        snake.fused = True
+        fused = snake(x)
+        assert fused.dtype == dtype
+        torch.testing.assert_close(fused, plain, **tol)
+
+    both()
+    snake.alpha.mul_(2)  # a new weight version: the cached 1/alpha must follow
+    both()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_snake_decode_equals_plain(small, dtype):
+    """The whole model with fused Snakes (what --cuda-graphs turns on) against the current
+    path: float64 within 1e-12 of the peak (the same math), float32 within 1e-6 of full scale
+    like padding (measured 1.3e-7: FMA roundings through 72 Snakes and the convs after them)."""
+    plain = small if dtype == torch.float32 else load_hift(None, preset="small", dtype=dtype)
+    model = load_hift(None, preset="small", dtype=dtype)
+    model.fuse_snake(True)
+    assert all(m.fused for m in model.modules() if isinstance(m, Snake))
+    mels = [make_mel(300, seed=85 + i) for i in range(2)]
+    schedules, finals = [upstream_schedule(300), [37, 1, 150, 112]], [True, False]
+    ref, _ = run_schedule(plain, mels, schedules, finals)
+    got, _ = run_schedule(model, mels, schedules, finals)
+    for a, b in zip(got, ref):
+        bound = TOL_FP32 if dtype == torch.float32 else TOL_FP64 * float(b.abs().max())
+        assert max_abs(a, b) <= bound
+    model.fuse_snake(False)
+    assert not any(m.fused for m in model.modules() if isinstance(m, Snake))
 
 
 class _FakeGraph:
@@ -241,13 +285,15 @@ def test_flags_reach_the_config_and_cpu_ignores_them():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graphs_equal_eager(dtype):
-    """Graphed vs eager at the same padded shapes (same kernels: rounding only), and in fp32
-    vs the unpadded eager path of the flag off."""
+    """Graphed vs eager at the same padded shapes with fused Snakes (same kernels: rounding
+    only), and in fp32 vs the unpadded, unfused eager path of the flag off."""
     torch.backends.cudnn.allow_tf32 = False
     eager = load_hift(None, preset="small", device="cuda", dtype=dtype)
     eager_padded = load_hift(None, preset="small", device="cuda", dtype=dtype)
     eager_padded.buckets = BUCKETS
     graphed = load_hift(None, preset="small", device="cuda", dtype=dtype)
+    for model in (eager_padded, graphed):  # as the service's --cuda-graphs does
+        model.fuse_snake(True)
     graphed.set_cuda_graphs(BUCKETS)
     assert graphed.warmup_graphs() == 3 * len(BUCKETS.row_sizes)  # 50, 100, 200-frame chunks
     mels = [make_mel(400, seed=100 + i) for i in range(3)]

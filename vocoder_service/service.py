@@ -38,6 +38,7 @@ def load_model(cfg: ModelConfig) -> Any:
     )
     buckets = graph_buckets(cfg)
     if buckets is not None:
+        model.fuse_snake(True)  # fewer kernels in each graph (and in its eager fallback)
         model.set_cuda_graphs(buckets)
     return model
 

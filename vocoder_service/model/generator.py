@@ -41,6 +41,7 @@ from vocoder_service.model.layers import (
     CausalF0Predictor,
     CausalUpsample,
     ResBlock,
+    Snake,
     SourceDown,
     SourceModule,
     causal_conv,
@@ -145,6 +146,16 @@ class HiFTGenerator(nn.Module):
         self.graphed_core = GraphedCore(
             self.synthesize_core, self.device, buckets, self.cfg.conv_pre_look_right, max_graphs
         )
+
+    def fuse_snake(self, on: bool) -> None:
+        """Snake activations in 4 kernels instead of 7 (layers.Snake.fused; same values up to
+        rounding). Part of `--cuda-graphs`; switch it before graphs are captured."""
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, Snake):
+                    module.fused, module._inverse = on, None
+                    if on:  # now, outside any graph capture, on the model's device and dtype
+                        module.inverse_alpha(module.alpha[None, :, None])
 
     def warmup_graphs(self, chunks: tuple[int, ...] = (50, 100, 200)) -> int:
         """Capture the graphs of the upstream streaming schedule (a first chunk of 50 frames,

@@ -89,8 +89,8 @@ class GraphedCore:
         max_graphs: int = 256,
         warmup: int = 1,
     ):
-        if max_graphs < 1:
-            raise ValueError("max_graphs must be >= 1")
+        if max_graphs < 1 or warmup < 1:  # a first run does the lazy work outside the capture
+            raise ValueError("max_graphs and warmup must be >= 1")
         self.core = core
         self.device = torch.device(device)
         self.buckets = buckets
