@@ -149,13 +149,14 @@ class HiFTGenerator(nn.Module):
 
     def fuse_snake(self, on: bool) -> None:
         """Snake activations in 4 kernels instead of 7 (layers.Snake.fused; same values up to
-        rounding). Part of `--cuda-graphs`; switch it before graphs are captured."""
+        rounding). Part of `--cuda-graphs`; switch it on before graphs are captured (they read the
+        cached 1/alpha tensors, which stay the same objects until the weights change)."""
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, Snake):
-                    module.fused, module._inverse = on, None
-                    if on:  # now, outside any graph capture, on the model's device and dtype
-                        module.inverse_alpha(module.alpha[None, :, None])
+                    module.fused = on
+                    if on:  # now, outside any graph capture; kept (same tensor) while the
+                        module.inverse_alpha(module.alpha[None, :, None])  # weights stay
 
     def warmup_graphs(self, chunks: tuple[int, ...] = (50, 100, 200)) -> int:
         """Capture the graphs of the upstream streaming schedule (a first chunk of 50 frames,

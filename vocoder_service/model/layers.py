@@ -61,7 +61,11 @@ class Snake(nn.Module):
         return x + (1.0 / (alpha + SNAKE_EPS)) * torch.sin(x * alpha).pow(2)
 
     def inverse_alpha(self, alpha: torch.Tensor) -> torch.Tensor:
-        key = (alpha.data_ptr(), alpha._version, alpha.dtype, alpha.device)
+        try:
+            version = alpha._version
+        except RuntimeError:  # an inference tensor (weights made in inference mode) has none
+            version = -1
+        key = (alpha.data_ptr(), version, alpha.dtype, alpha.device)
         if self._inverse is None or self._inverse[0] != key:
             self._inverse = (key, 1.0 / (alpha + SNAKE_EPS))
         return self._inverse[1]
