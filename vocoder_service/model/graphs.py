@@ -157,6 +157,10 @@ class GraphedCore:
         return entry
 
     def _record(self, static: list[torch.Tensor]):
+        with torch.cuda.device(self.device):  # captures run on the current device
+            return self._record_on_device(static)
+
+    def _record_on_device(self, static: list[torch.Tensor]):
         """Warm up off the capture (lazy init, cuDNN/cuFFT plans), then capture one call."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
