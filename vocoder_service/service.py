@@ -46,12 +46,13 @@ def load_model(cfg: ModelConfig) -> Any:
 def graph_buckets(cfg: ModelConfig):
     """The CUDA-graph shape buckets the config asks for; None when graphs are off or not on
     CUDA (the flag is ignored on CPU)."""
-    from vocoder_service.model.graphs import DEFAULT_ROW_SIZES, ShapeBuckets
+    from vocoder_service.model.graphs import ShapeBuckets
 
     if not cfg.cuda_graphs or not cfg.device.startswith("cuda"):
         return None
-    rows = sorted({r for r in DEFAULT_ROW_SIZES if r < cfg.graph_max_rows} | {cfg.graph_max_rows})
-    return ShapeBuckets(tuple(rows), cfg.graph_frame_multiple, cfg.graph_max_frames)
+    return ShapeBuckets.for_limits(
+        cfg.graph_max_rows, cfg.graph_frame_multiple, cfg.graph_max_frames
+    )
 
 
 def model_tag(cfg: ModelConfig, model: Any) -> str:

@@ -29,7 +29,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ROW_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)
+DEFAULT_ROW_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)  # and the largest batch, when larger
+# --graph-max-rows, --graph-frame-multiple, --graph-max-frames defaults (vocoder_service/config.py)
+DEFAULT_MAX_ROWS, DEFAULT_FRAME_MULTIPLE, DEFAULT_MAX_FRAMES = 32, 16, 256
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,17 @@ class ShapeBuckets:
             raise ValueError(f"row_sizes {self.row_sizes}: want increasing sizes >= 1")
         if self.frame_multiple < 1 or self.max_frames < 0:
             raise ValueError("frame_multiple must be >= 1 and max_frames >= 0")
+
+    @classmethod
+    def for_limits(
+        cls,
+        max_rows: int = DEFAULT_MAX_ROWS,
+        frame_multiple: int = DEFAULT_FRAME_MULTIPLE,
+        max_frames: int = DEFAULT_MAX_FRAMES,
+    ) -> ShapeBuckets:
+        """The service's buckets: DEFAULT_ROW_SIZES below max_rows, then max_rows itself."""
+        rows = sorted({r for r in DEFAULT_ROW_SIZES if r < max_rows} | {max_rows})
+        return cls(tuple(rows), frame_multiple, max_frames)
 
     @property
     def max_rows(self) -> int:
