@@ -4,7 +4,12 @@ eager fallback) with a stand-in graph on the CPU, and graphed vs eager on a GPU.
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -314,3 +319,18 @@ def test_cuda_graphs_equal_eager(dtype):
         for a, b, sa, sb in zip(got, ref, got_states, ref_states):
             assert a.shape == b.shape and max_abs(a, b) <= 1e-5
             assert sa.to_bytes() == sb.to_bytes()
+
+
+def test_latency_bench_smoke(tmp_path):
+    """bench/vocoder_latency_gpu.py --smoke: every case measured off and on, same audio."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "bench/vocoder_latency_gpu.py", "--smoke"]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    res = json.loads((tmp_path / "vocoder_latency_gpu.json").read_text())
+    cases = [k for k in res if k.startswith(("fp32 ", "bf16 "))]
+    assert len(cases) == 8 and "first x1" in done.stdout
+    for k in cases:
+        assert res[k]["off_p50_ms"] > 0 and res[k]["on_p50_ms"] > 0
+        assert res[k]["max_abs_diff"] <= (TOL_FP32 if k.startswith("fp32") else 1e-2)
