@@ -34,6 +34,7 @@ DURATION=${DURATION:-10}  # Poisson window per probe, s (grows to expect MIN_STR
 MIN_STREAMS=${MIN_STREAMS:-40}
 CLOSED=${CLOSED:-64}
 OVERLOAD_S=${OVERLOAD_S:-20}
+# BF16_ARGS: extra flags for the bf16 search (e.g. --closed-baseline false --vocoder-arg=...)
 # the gateway's --start-buffer-ms: held first audio of streams whose input is open (paced runs)
 START_BUFFER_MS=${START_BUFFER_MS:-150}
 DEST=${OUT:-out}/capacity
@@ -58,7 +59,7 @@ echo "== bf16 capacity (budget ${bf16_budget} s, $(left) s left in all)"
 $PY -m bench capacity "${common[@]}" --dtype bfloat16 --paces 0,50 \
   --closed-concurrency "$CLOSED" --start-rate "$START_RATE" --growth 1.4 --refine 2 \
   --overload-factor 2 --overload-duration "$OVERLOAD_S" \
-  --time-budget "$bf16_budget" --out-dir "$RAW/bf16" >"$RAW/bf16.stdout"
+  --time-budget "$bf16_budget" --out-dir "$RAW/bf16" ${BF16_ARGS:-} >"$RAW/bf16.stdout"
 echo "bf16 exit $? after $((SECONDS - START)) s"
 
 fp32_budget=$(( $(left) - 15 ))
