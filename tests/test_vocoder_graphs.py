@@ -280,8 +280,8 @@ def test_flags_reach_the_config_and_cpu_ignores_them():
     assert graph_buckets(cfg) is None  # device cpu: the flag is ignored
     cuda = ModelConfig(device="cuda:1", cuda_graphs=True, graph_max_rows=20, graph_frame_multiple=8)
     assert graph_buckets(cuda) == ShapeBuckets((1, 2, 4, 8, 12, 16, 20), 8, 256)
-    assert graph_buckets(ModelConfig(device="cuda")) is None  # off by default
-    default = graph_buckets(ModelConfig(device="cuda", cuda_graphs=True))
+    assert graph_buckets(ModelConfig(device="cuda", cuda_graphs=False)) is None
+    default = graph_buckets(ModelConfig(device="cuda"))  # on by default
     assert default == ShapeBuckets.for_limits()  # what the benchmark uses (without grpc)
     assert default.row_sizes == (1, 2, 4, 8, 12, 16, 24, 32)
     assert VocoderService(Config(model=cfg)).model.graphed_core is None
