@@ -27,9 +27,7 @@ logic check for machines without a GPU; its numbers mean nothing).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import random
 import statistics
 import sys
@@ -37,6 +35,7 @@ import time
 
 import torch
 
+from bench.gpu import save_json
 from token2wav import SAMPLES_PER_FRAME
 from vocoder_service.model import (
     HIFT_PRESETS,
@@ -260,11 +259,7 @@ def main() -> int:
     )
     res["total_s"] = time.perf_counter() - t_start
     report(res)
-    out = os.environ.get("OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "hift_model_gpu.json"), "w") as f:
-            json.dump(res, f, indent=2)
+    save_json("hift_model_gpu.json", res)
     ok = all(res[k] <= 1e-3 for k in res if k.startswith("exact_"))
     return 0 if ok else 1
 

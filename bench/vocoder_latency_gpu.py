@@ -28,8 +28,6 @@ repeat, with padding but no graphs (a logic check; its numbers mean nothing).
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import sys
 import time
@@ -38,6 +36,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+from bench.gpu import save_json
 from vocoder_service.model import MEL_BINS, HiFTSessionState, load_hift
 from vocoder_service.model.graphs import GraphedCore, ShapeBuckets
 
@@ -182,11 +181,7 @@ def main() -> int:
         res["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     res["total_s"] = time.perf_counter() - start
     report(res)
-    out = os.environ.get("OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "vocoder_latency_gpu.json"), "w") as f:
-            json.dump(res, f, indent=2)
+    save_json("vocoder_latency_gpu.json", res)
     return 0
 
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import platform
 import sys
 import time
@@ -27,6 +25,7 @@ import grpc
 import numpy as np
 import torch
 
+from bench.gpu import save_json
 from token2wav import SAMPLES_PER_FRAME
 from token2wav.dtypes import DTYPES
 from token2wav.server import ServerOptions
@@ -367,11 +366,7 @@ def main(argv=None) -> int:
         f"{ref['long_stitched_vs_full_decode_max_abs']:.2e}"
     )
     print(f"total {report['total_s']:.1f} s")
-    out = os.environ.get("OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "vocoder_service_bench.json"), "w") as f:
-            json.dump(report, f, indent=1)
+    save_json("vocoder_service_bench.json", report, indent=1)
     return 0
 
 
