@@ -157,7 +157,8 @@ class Bench:
         rate = self.frame_steps_per_s.get(dtype)
         per_run = rows * frames * 10 / rate if rate else 5.0
         compiles = self.device.type == "cuda" and not variant.startswith("baseline")
-        first = COMPILE_RESERVE_S if compiles and (dtype, variant) not in self.used else 0.0
+        reserve = self.args.compile_reserve_s
+        first = reserve if compiles and (dtype, variant) not in self.used else 0.0
         return (1 + self.args.repeats) * per_run + first
 
     def run_case(self, model, dtype: str, rows: int, frames: int, streaming: bool) -> None:
@@ -172,6 +173,9 @@ class Bench:
         variants = dict(VARIANTS)
         if self.args.graphs and self.device.type == "cuda" and rows <= GRAPH_MAX_ROWS:
             variants.update(GRAPH_VARIANTS)
+        # baseline always runs first: it is the reference of every diff
+        wanted = {"baseline", *self.args.variants}
+        variants = {k: v for k, v in variants.items() if k.removesuffix("+graphs") in wanted}
         for variant, kernels in variants.items():
             need = self.estimate_s(dtype, variant, rows, frames)
             if need > self.left_s():
@@ -243,9 +247,24 @@ def main() -> None:
         help=f"CUDA: also time every variant as CUDA-graph replays for <= {GRAPH_MAX_ROWS} "
         "requests (as the service runs them)",
     )
+    p.add_argument(
+        "--variants",
+        type=lambda text: [v for v in text.split(",") if v],
+        default=list(VARIANTS),
+        help=f"kernel variants to time, of {', '.join(VARIANTS)} (baseline always runs)",
+    )
+    p.add_argument(
+        "--compile-reserve-s",
+        type=float,
+        default=COMPILE_RESERVE_S,
+        help="budget set aside for a compiled variant's first use (its compile)",
+    )
     p.add_argument("--budget-s", type=float, default=240.0, help="stop starting work after this")
     p.add_argument("--out", default="", help="JSON results path (rewritten after each case)")
     args = p.parse_args()
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = args.tf32

@@ -459,3 +459,21 @@ def test_kernels_bench_counts_visible_keys():
     assert visible_pairs(100, False, 50) == 100 * 100
     assert visible_pairs(100, True, 50) == 50 * 50 + 50 * 100  # block 0 sees 50 keys, block 1 100
     assert visible_pairs(120, True, 50) == 50 * 50 + 50 * 100 + 20 * 120
+
+
+def test_kernels_bench_runs_only_the_variants_asked_for(tmp_path, monkeypatch):
+    import sys
+
+    from bench import kernels_bench
+
+    out = tmp_path / "kernels.json"
+    argv = ["kernels_bench", "--device", "cpu", "--preset", "small", "--dtypes", "fp32"]
+    argv += ["--rows", "1", "--frames", "206", "--kinds", "final", "--repeats", "1"]
+    argv += ["--variants", "fused", "--budget-s", "120", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    kernels_bench.main()
+    (case,) = json.loads(out.read_text())["cases"]
+    assert set(case["variants"]) == {"baseline", "fused"}  # the reference always runs
+    monkeypatch.setattr(sys, "argv", [*argv[:-4], "--variants", "fussed"])
+    with pytest.raises(SystemExit):
+        kernels_bench.main()
