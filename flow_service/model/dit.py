@@ -223,8 +223,11 @@ class _Compiled:
         if self._compiled is None:
             with self._lock:
                 if self._compiled is None:
+                    # torch <= 2.6 calls the limit cache_size_limit
                     config = torch._dynamo.config
-                    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+                    name = "recompile_limit" if hasattr(config, "recompile_limit") else None
+                    name = name or "cache_size_limit"
+                    setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
                     self._compiled = torch.compile(self.fn, dynamic=None)
         if self.ragged:  # on every call (a few attribute writes): dynamo may have been reset
             for a in args:
