@@ -7,7 +7,15 @@ import math
 
 import pytest
 
-from bench.capacity import Criteria, back_to_idle, on_time_figures, passes, render, search
+from bench.capacity import (
+    Criteria,
+    back_to_idle,
+    highest_passing_without_floors,
+    on_time_figures,
+    passes,
+    render,
+    search,
+)
 
 
 def stream(status="OK", excess_ms=0.0, closed_ms=None):
@@ -112,3 +120,57 @@ def test_back_to_idle_and_report():
         }
     )
     assert "2.00 streams/s = 20 audio s/s" in text and "10/10 (100.0 %)" in text
+
+
+def test_zero_compute_capacity_is_the_highest_probe_passing_without_floors():
+    def probe(rate, on_time_no_floors, streams=40, p95=150.0):
+        return {
+            "rate": rate,
+            "streams": streams,
+            "on_time_no_floors": on_time_no_floors,
+            "first_chunk_p95_ms": p95,
+        }
+
+    probes = [
+        probe(1.3, 40),
+        probe(2.6, 39),
+        probe(5.0, 40),
+        probe(7.0, 32),
+        probe(9.0, 40, p95=300),
+    ]
+    assert highest_passing_without_floors(probes, Criteria()) == 5.0  # 39/40 < 99 %; p95 > 250
+    assert highest_passing_without_floors(probes[1:2], Criteria()) is None
+    result = {
+        "dtype": "bfloat16",
+        "preset": "small",
+        "device": "cpu",
+        "command": "c",
+        "started_at": "now",
+        "workload": "w",
+        "capacity": {
+            "at 50/s": {
+                "capacity_rate": None,
+                "capacity_audio_s_per_s": None,
+                "capacity_concurrent": None,
+                "compute_floors_ms": [150.0, 50.0],
+                "zero_compute_rate": 5.0,
+                "utterance_s": 10.0,
+                "probes": [
+                    dict(
+                        p,
+                        passed=False,
+                        on_time=0,
+                        on_time_share=0.0,
+                        offered_audio_s_per_s=10 * p["rate"],
+                        first_chunk_p50_ms=100.0,
+                        excess_buffer_p99_ms=50.0,
+                        xrt=1.0,
+                        concurrent_streams=1.0,
+                    )
+                    for p in probes
+                ],
+            }
+        },
+    }
+    text = render(result)
+    assert "highest probed rate that passes: **5.00 streams/s = 50 audio s/s**" in text
