@@ -388,3 +388,13 @@ def test_flow_service_bench_builds_the_model_the_flow_args_ask_for():
 
     assert fp32_parts(parse_args([])) is False  # the service's default
     assert fp32_parts(parse_args(["--flow-arg=--bf16-fp32-parts=true"])) is True
+
+
+def test_gateway_overhead_bench_runs_streams_through_a_real_gateway():
+    """bench/gateway_overhead.py: a real gateway process between instant stand-ins; every
+    stream gets its audio (the stand-ins' shapes satisfy the gateway's checks)."""
+    from bench.gateway_overhead import main
+
+    (rnd,) = main(["--streams", "3", "--tokens", "60", "--rounds", "1"])
+    assert len(rnd["first_ms"]) == 3 and all(ms > 0 for ms in rnd["first_ms"])
+    assert rnd["wall_ms"] >= max(rnd["first_ms"])

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""What the gateway (and the client) add to a chunk when the models cost nothing.
+
+    PYTHONPATH=. python3 bench/gateway_overhead.py --streams 64            # CPU is enough
+    PYTHONPATH=. python3 bench/gateway_overhead.py --streams 64 --profile out/gw.prof
+
+A real gateway process (`python -m gateway`, optionally under cProfile) in front of two
+stand-ins in this process that answer at once: a flow service whose mel is zeros of the right
+shape, and a vocoder that turns every mel frame into 480 zero samples. N streams open together
+(as the closed loop of `python -m bench` does), each with its own inline 3 s voice and all of
+its 250 tokens at once. Prints the client-measured first-chunk latency (tokens sent -> first
+audio) p50/p95/max and the time until every stream ended: on the GPU host the same time sits in
+the "gateway" and "wire" stages of the stage attribution, on top of the models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from bench.stack import free_port
+from bench.workload import make_bench_voice
+from gateway.client import AsyncClient
+from token2wav.tensors import encode
+from token2wav.v1 import common_pb2, flow_pb2, flow_pb2_grpc, vocoder_pb2, vocoder_pb2_grpc
+
+LOOKAHEAD = 3
+SAMPLES_PER_FRAME = 480
+
+
+class InstantFlow(flow_pb2_grpc.FlowServicer):
+    async def Generate(self, request, context):
+        n = request.tokens.shape[0]
+        end = n if request.finalize else n - LOOKAHEAD
+        frames = 2 * (end - request.token_offset)
+        return flow_pb2.GenerateResponse(
+            mel=encode(np.zeros((80, frames), np.float32)),
+            timing=common_pb2.StageTiming(batch_size=1),
+        )
+
+
+class InstantVocoder(vocoder_pb2_grpc.VocoderServicer):
+    async def Session(self, request_iterator, context):
+        offset = 0
+        async for chunk in request_iterator:
+            samples = SAMPLES_PER_FRAME * chunk.mel.shape[1]
+            yield vocoder_pb2.VocoderAudio(
+                request_id=chunk.request_id,
+                seq=chunk.seq,
+                sample_offset=offset,
+                audio=encode(np.zeros(samples, np.float32)),
+                is_final=chunk.finalize,
+                timing=common_pb2.StageTiming(batch_size=1),
+            )
+            offset += samples
+            if chunk.finalize:
+                return
+
+    async def CancelSession(self, request, context):
+        return vocoder_pb2.CancelSessionResponse()
+
+
+async def stand_in(servicer, add) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    add(servicer, server)
+    checker = health.aio.HealthServicer()
+    await checker.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+async def one_stream(client: AsyncClient, voice, tokens) -> tuple[float, float]:
+    stream = client.stream(voice, audio_format="pcm16")
+    sent = time.perf_counter()
+    await stream.send(tokens)
+    await stream.end()
+    first = None
+    async for chunk in stream:
+        if first is None:
+            first = chunk.received_at - sent
+    return first, time.perf_counter() - sent
+
+
+async def main_async(a: argparse.Namespace) -> list[dict]:
+    flow, flow_port = await stand_in(InstantFlow(), flow_pb2_grpc.add_FlowServicer_to_server)
+    voc, voc_port = await stand_in(InstantVocoder(), vocoder_pb2_grpc.add_VocoderServicer_to_server)
+    port = a.port or free_port()
+    cmd = [sys.executable]
+    if a.profile:
+        cmd += ["-m", "cProfile", "-o", a.profile]
+    cmd += ["-m", "gateway", "--port", str(port), "--metrics-port", "0"]
+    cmd += ["--flow-addr", f"127.0.0.1:{flow_port}", "--vocoder-addr", f"127.0.0.1:{voc_port}"]
+    cmd += ["--max-streams", str(max(256, 2 * a.streams))]
+    gw = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        target = f"127.0.0.1:{port}"
+        async with AsyncClient(target) as client:
+            voices = [make_bench_voice(0, i, 75) for i in range(a.streams)]
+            rng = np.random.default_rng(0)
+            tokens = rng.integers(0, 6561, (a.streams, a.tokens))
+            for _ in range(60):  # the gateway is SERVING once its stages answer
+                try:
+                    await one_stream(client, voices[0], tokens[0])
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.5)
+            rounds = []
+            for rnd in range(a.rounds):
+                t0 = time.perf_counter()
+                res = await asyncio.gather(
+                    *(one_stream(client, voices[i], tokens[i]) for i in range(a.streams))
+                )
+                wall = time.perf_counter() - t0
+                first = sorted(r[0] * 1e3 for r in res)
+                p95 = first[min(len(first) - 1, int(0.95 * len(first)))]
+                rounds.append({"first_ms": first, "wall_ms": wall * 1e3})
+                print(
+                    f"round {rnd}: {a.streams} streams, first chunk p50 "
+                    f"{statistics.median(first):.0f} ms, p95 {p95:.0f} ms, max {first[-1]:.0f} ms; "
+                    f"all ended after {wall * 1e3:.0f} ms",
+                    flush=True,
+                )
+        return rounds
+    finally:
+        gw.send_signal(2)  # SIGINT: the gateway drains and cProfile writes its file
+        gw.wait(timeout=30)
+        await flow.stop(None)
+        await voc.stop(None)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=250, help="per stream (250 = 10 s)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--port", type=int, default=0, help="the gateway's port (0: a free one)")
+    p.add_argument("--profile", default="", help="write the gateway's cProfile stats here")
+    return asyncio.run(main_async(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
