@@ -46,12 +46,12 @@ from pathlib import Path
 
 import torch
 
+from bench.flow_model_gpu import make_voice
 from flow_service.model import (
     DiTKernels,
     FlowModel,
     FlowRequest,
     GraphedEstimator,
-    Voice,
     load_flow,
 )
 
@@ -79,11 +79,7 @@ def make_requests(rows: int, frames: int, streaming: bool, seed: int = 0) -> lis
     n_emit = frames // 2 - n_p
     reqs = []
     for _ in range(rows):
-        voice = Voice(
-            torch.randint(0, 6561, (n_p,), generator=gen),
-            torch.randn(2 * n_p, 80, generator=gen) * 2.0 - 6.0,
-            torch.randn(192, generator=gen),
-        )
+        voice = make_voice(gen, n_p)
         tokens = torch.randint(0, 6561, (n_emit + (3 if streaming else 0),), generator=gen)
         reqs.append(FlowRequest(voice, tokens, 0, not streaming, streaming))
     assert all(r.num_seq_frames == frames for r in reqs), (frames, reqs[0].num_seq_frames)

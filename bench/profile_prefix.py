@@ -21,7 +21,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flow_service.model import FlowRequest, PrefixCache, Voice, load_flow
+from bench.flow_model_gpu import make_voice
+from flow_service.model import FlowRequest, PrefixCache, load_flow
 from gateway.schedule import ChunkPlanner
 from token2wav.dtypes import DTYPES
 
@@ -29,17 +30,8 @@ PROMPT_TOKENS = 75
 UTTERANCE_TOKENS = 250
 
 
-def voice(seed: int) -> Voice:
-    g = torch.Generator().manual_seed(seed)
-    return Voice(
-        prompt_token=torch.randint(0, 6561, (PROMPT_TOKENS,), generator=g),
-        prompt_feat=torch.randn(2 * PROMPT_TOKENS, 80, generator=g) * 2.0 - 6.0,
-        embedding=torch.randn(192, generator=g),
-    )
-
-
 def calls_of(stream: int, num_calls: int) -> list[FlowRequest]:
-    v = voice(stream)
+    v = make_voice(torch.Generator().manual_seed(stream), PROMPT_TOKENS)
     g = torch.Generator().manual_seed(10_000 + stream)
     tokens = torch.randint(0, 6561, (UTTERANCE_TOKENS,), generator=g)
     planner = ChunkPlanner(PROMPT_TOKENS)
