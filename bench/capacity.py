@@ -134,9 +134,7 @@ def highest_passing_without_floors(probes: list[dict], criteria: Criteria) -> fl
         for f in probes
         if f["streams"]
         and f.get("on_time_no_floors") is not None
-        and f["first_chunk_p95_ms"] is not None
-        and f["on_time_no_floors"] / f["streams"] >= criteria.on_time_share
-        and f["first_chunk_p95_ms"] <= criteria.first_chunk_p95_ms
+        and passes(dict(f, on_time_share=f["on_time_no_floors"] / f["streams"]), criteria)
     ]
     return max(good, default=None)
 
@@ -307,8 +305,8 @@ def render(result: dict) -> str:
                 "By the zero-compute test (pauses beyond what the token input alone forces), the "
                 "highest probed rate that passes: "
                 + (
-                    f"**{zero:.2f} streams/s = {zero * search_result['utterance_s']:.0f} audio "
-                    "s/s**."
+                    f"**{zero:.2f} streams/s = "
+                    f"{search_result['zero_compute_audio_s_per_s']:.0f} audio s/s**."
                     if zero
                     else "none."
                 ),
@@ -585,9 +583,10 @@ def run(a, argv: list[str]) -> dict:
                 "probes": probes,
             }
             if floors:
+                zero = highest_passing_without_floors(probes, criteria)
                 result["capacity"][pace_key(pace)].update(
-                    zero_compute_rate=highest_passing_without_floors(probes, criteria),
-                    utterance_s=utt_s,
+                    zero_compute_rate=zero,
+                    zero_compute_audio_s_per_s=zero * utt_s if zero else None,
                 )
             save()
             log(f"capacity {pace_key(pace)}: {cap} streams/s")

@@ -154,7 +154,7 @@ def test_zero_compute_capacity_is_the_highest_probe_passing_without_floors():
                 "capacity_concurrent": None,
                 "compute_floors_ms": [150.0, 50.0],
                 "zero_compute_rate": 5.0,
-                "utterance_s": 10.0,
+                "zero_compute_audio_s_per_s": 50.0,
                 "probes": [
                     dict(
                         p,
