@@ -30,9 +30,9 @@ from gateway.downstream import FlowClient, FlowOutput, downstream_error
 from gateway.failover import SessionLost, count_failover, detach, lost_reason
 from gateway.routing import ReplicaSet
 from gateway.schedule import ChunkPlanner, FlowCall, ScheduleConfig
-from token2wav import MAX_FRAMES, SAMPLE_RATE, SAMPLES_PER_TOKEN, TOKEN_MEL_RATIO, VOCAB_SIZE
+from token2wav import MAX_FRAMES, SAMPLE_RATE, SAMPLES_PER_TOKEN, TOKEN_MEL_RATIO
 from token2wav.errors import Aborted, InvalidArgument
-from token2wav.tensors import VoiceData, check_header, decode
+from token2wav.tensors import VoiceData, check_header, check_token_ids, decode
 from token2wav.v1 import common_pb2, gateway_pb2, vocoder_pb2, vocoder_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -166,19 +166,14 @@ class StreamPipeline:
             if self.ended:
                 raise InvalidArgument(kind or "message", "message after EndOfInput")
             if kind == "tokens":
-                ids = np.asarray(msg.tokens.tokens, np.uint64)  # uint64 on the wire
-                bad = np.flatnonzero(ids >= VOCAB_SIZE)
-                if bad.size:
-                    i = int(bad[0])
-                    raise InvalidArgument(
-                        f"tokens.tokens[{i}]", f"id {int(ids[i])} outside 0..{VOCAB_SIZE - 1}"
-                    )
+                # uint64 on the wire
+                ids = check_token_ids(np.asarray(msg.tokens.tokens, np.uint64), "tokens.tokens")
                 if self.num_tokens + ids.size > self.max_tokens:
                     raise InvalidArgument(
                         "tokens",
                         f"more than {self.max_tokens} tokens: prompt + target would exceed 300 s",
                     )
-                self.tokens[self.num_tokens : self.num_tokens + ids.size] = ids.astype(np.int64)
+                self.tokens[self.num_tokens : self.num_tokens + ids.size] = ids
                 self.num_tokens += ids.size
             elif kind == "end":
                 self.ended = True

@@ -121,13 +121,15 @@ def decode(
 
 
 def check_token_ids(ids: np.ndarray, field: str) -> np.ndarray:
-    """Token ids must lie in 0..VOCAB_SIZE-1; returns them as int64."""
-    ids = np.asarray(ids, dtype=np.int64)
+    """Token ids (any integer dtype) must lie in 0..VOCAB_SIZE-1; returns them as int64. The
+    range is checked before the cast, so a uint64 id past 2^63 is refused as itself rather than
+    wrapped to a negative one."""
+    ids = np.asarray(ids)
     bad = np.flatnonzero((ids < 0) | (ids >= VOCAB_SIZE))
     if bad.size:
         i = int(bad[0])
         raise InvalidArgument(f"{field}[{i}]", f"id {int(ids[i])} outside 0..{VOCAB_SIZE - 1}")
-    return ids
+    return ids.astype(np.int64, copy=False)
 
 
 def decode_tokens(msg: pb.Tensor, field: str, *, min_len: int = 1, max_len: int) -> np.ndarray:
