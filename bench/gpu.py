@@ -9,6 +9,7 @@ is the peak so far of that stack, and the largest concurrency level gives the tr
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -138,8 +139,6 @@ def _cpu_model() -> str:
 
 def save_json(name: str, data: dict, indent: int = 2) -> None:
     """Write `data` to $OUT/`name` when $OUT is set (the device tool brings $OUT back)."""
-    import json
-
     out = os.environ.get("OUT")
     if out:
         os.makedirs(out, exist_ok=True)

@@ -225,8 +225,8 @@ class _Compiled:
                 if self._compiled is None:
                     # torch <= 2.6 calls the limit cache_size_limit
                     config = torch._dynamo.config
-                    name = "recompile_limit" if hasattr(config, "recompile_limit") else None
-                    name = name or "cache_size_limit"
+                    new_name = "recompile_limit"
+                    name = new_name if hasattr(config, new_name) else "cache_size_limit"
                     setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
                     self._compiled = torch.compile(self.fn, dynamic=None)
         if self.ragged:  # on every call (a few attribute writes): dynamo may have been reset
