@@ -53,10 +53,10 @@ def build_parser() -> EnvParser:
     p.flag(
         "--fused-norms",
         type=bool,
-        default=False,
+        default=True,
         help="on CUDA, run each DiT layer's gate + residual + layer norm + AdaLN modulate as "
-        "one torch.compile'd kernel (compiled when the model loads, logged; same mel within "
-        "rounding)",
+        "one torch.compile'd kernel (compiled when the model loads, ~6 s, logged; same mel "
+        "within rounding; ~19 %% more bf16 frame-steps/s on an H200); no effect on the CPU",
     )
     p.flag(
         "--flex-attention",
@@ -193,7 +193,7 @@ class FlowConfig:
     device: str = "cpu"
     dtype: str = "float32"
     bf16_fp32_parts: bool = False
-    fused_norms: bool = False
+    fused_norms: bool = True  # CUDA only (load_model)
     flex_attention: bool = False
     policy: BatchPolicy = field(default_factory=BatchPolicy)
     cost_prior: CostPrior = field(default_factory=CostPrior)

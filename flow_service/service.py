@@ -25,8 +25,15 @@ def load_model(config: FlowConfig) -> FlowModel:
         dtype=DTYPES[config.dtype],
         preset=config.preset,
         fp32_sensitive=config.bf16_fp32_parts,
-        kernels=DiTKernels(fused_norms=config.fused_norms, flex_attention=config.flex_attention),
+        kernels=service_kernels(config),
     )
+
+
+def service_kernels(config: FlowConfig) -> DiTKernels:
+    """The flags' kernels. Fused norms only where they compile: on the CPU the fused function
+    would run eagerly, the same arithmetic as the plain path in more ops."""
+    cuda = torch.device(config.device).type == "cuda"
+    return DiTKernels(fused_norms=config.fused_norms and cuda, flex_attention=config.flex_attention)
 
 
 def make_prefix_cache(config: PrefixCacheConfig, model) -> PrefixCache | None:

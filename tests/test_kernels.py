@@ -32,6 +32,7 @@ from flow_service.model.dit import (
     ragged_attention_bias,
     residual_norm_modulate,
 )
+from flow_service.service import service_kernels
 
 REL = 1e-5  # flex vs bias through a whole solve: max |diff| <= REL x max |mel| (fp32)
 FUSED_REL = 1e-6  # a compiled fused function vs the same function eagerly (fp32)
@@ -361,7 +362,11 @@ def test_flags_reach_the_model(monkeypatch):
     assert cfg.fused_norms and cfg.flex_attention
     monkeypatch.delenv("FLOW_FLEX_ATTENTION")
     default = FlowConfig.from_args(build_parser().parse_args([]))
-    assert not default.fused_norms and not default.flex_attention
+    assert default.fused_norms and not default.flex_attention  # fused: measured faster on CUDA
+    # ... and compiled only there: on the CPU the service runs the plain path
+    assert service_kernels(default) == DiTKernels()
+    on_cuda = FlowConfig.from_args(build_parser().parse_args(["--device", "cuda"]))
+    assert service_kernels(on_cuda) == DiTKernels(fused_norms=True)
     m = load_flow(None, preset="small", kernels=DiTKernels(cfg.fused_norms, cfg.flex_attention))
     assert m.decoder.estimator.kernels == DiTKernels(fused_norms=True, flex_attention=True)
     assert load_flow(None, preset="small").decoder.estimator.kernels == DiTKernels()
