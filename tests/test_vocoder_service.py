@@ -2,6 +2,7 @@
 lifetime, batching across sessions, export/import, bad input; plus the batcher and runner
 without gRPC."""
 
+import math
 import os
 import random
 import signal
@@ -622,6 +623,99 @@ async def test_missing_slot_fails_the_step_loudly():
     batcher.close()
 
 
+class FakeClock:
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _urgent_batcher(clock, **batch):
+    manager = SessionManager(SessionConfig(), FakeState, lambda b: FakeState(), clock=clock)
+    runner = FakeRunner()
+    return manager, runner, Batcher(manager, runner, BatcherConfig(max_wait_ms=0, **batch))
+
+
+async def _drain(manager, batcher) -> None:
+    while manager.num_ready:
+        await batcher.run_batch()
+
+
+def _submit(manager, rid: str, tag: float, due: float, frames: int = 2, seq: int = 0):
+    return manager.submit(MelChunk(rid, seq, _tag(tag, frames), False, due=due))
+
+
+async def test_urgent_chunks_run_alone_and_the_others_next():
+    clock = FakeClock(10.0)
+    manager, runner, batcher = _urgent_batcher(clock, urgent_slack_ms=100, urgent_max_frames=0)
+    # two long chunks with seconds of slack, an old client's chunk without a deadline, and two
+    # first chunks: one with 80 ms of slack, one already 20 ms late
+    futs = [
+        _submit(manager, "long1", 1, due=15.0, frames=100),
+        _submit(manager, "long2", 2, due=13.0, frames=100),
+        _submit(manager, "old", 3, due=math.inf, frames=100),
+        _submit(manager, "first1", 4, due=10.08, frames=50),
+        _submit(manager, "first2", 5, due=9.98, frames=50),
+    ]
+    before = metric("t2w_vocoder_urgent_batches_total")
+    await _drain(manager, batcher)
+    # the urgent ones alone, least slack first; then the rest by slack, no deadline last
+    assert runner.batches == [[5, 4], [2, 1, 3]]
+    assert [f.result().batch_size for f in futs] == [3, 3, 3, 2, 2]
+    assert metric("t2w_vocoder_urgent_batches_total") == before + 1
+    batcher.close()
+
+
+async def test_a_waiting_chunk_becomes_urgent_as_its_deadline_nears():
+    clock = FakeClock(0.0)
+    manager, runner, batcher = _urgent_batcher(clock, urgent_slack_ms=100)
+    _submit(manager, "long", 1, due=1.0, frames=100)
+    _submit(manager, "relaxed", 2, due=10.0, frames=100)
+    _submit(manager, "first", 3, due=0.05)
+    await batcher.run_batch()
+    assert runner.batches == [[3]]
+    clock.now = 0.95  # "long" has 50 ms left now: it runs with the next first chunk, by slack
+    _submit(manager, "first2", 4, due=1.03)
+    await batcher.run_batch()
+    assert runner.batches[-1] == [1, 4]
+    await _drain(manager, batcher)
+    assert runner.batches[-1] == [2]  # nothing urgent left: the relaxed chunk runs
+    batcher.close()
+
+
+async def test_an_urgent_batch_stops_at_its_frame_budget():
+    clock = FakeClock(0.0)
+    manager, runner, batcher = _urgent_batcher(clock, urgent_slack_ms=100, urgent_max_frames=150)
+    _submit(manager, "late_long", 1, due=0.0, frames=200)  # least slack, over the budget alone
+    _submit(manager, "first1", 2, due=0.01, frames=50)
+    _submit(manager, "first2", 3, due=0.02, frames=50)
+    _submit(manager, "first3", 4, due=0.03, frames=60)
+    _submit(manager, "relaxed", 5, due=9.0, frames=200)
+    await _drain(manager, batcher)
+    # 200 frames go alone (the least slack always goes); 2 x 50 fit in 150 frames, a third
+    # padded to 60 (3 x 60 = 180) does not; the relaxed chunk waits for the urgent ones
+    assert runner.batches == [[1], [2, 3], [4], [5]]
+    batcher.close()
+
+
+@pytest.mark.parametrize("case", ["threshold_0", "no_deadlines"])
+async def test_without_threshold_or_deadlines_batches_are_as_before(case):
+    clock = FakeClock(0.0)
+    manager, runner, batcher = _urgent_batcher(
+        clock, urgent_slack_ms=0 if case == "threshold_0" else 100
+    )
+    dues = [5.0, 0.01, math.inf, -1.0] if case == "threshold_0" else [math.inf] * 4
+    for i, due in enumerate(dues):
+        _submit(manager, f"s{i}", i, due=due)
+    before = metric("t2w_vocoder_urgent_batches_total")
+    await _drain(manager, batcher)
+    # one batch of everything: least slack first, no deadline last (all FIFO without any)
+    assert runner.batches == ([[3, 1, 0, 2]] if case == "threshold_0" else [[0, 1, 2, 3]])
+    assert metric("t2w_vocoder_urgent_batches_total") == before
+    batcher.close()
+
+
 def test_runner_rejects_a_bad_row_and_runs_the_others(model):
     runner = HiFTRunner(model)
     states = [model.new_session() for _ in range(3)]
@@ -666,19 +760,24 @@ def test_cli_flags_mirror_env(monkeypatch):
     monkeypatch.setenv("VOCODER_MODEL_DIR", "")  # compose writes empty values for "unset"
     monkeypatch.setenv("VOCODER_PRESET", "")
     monkeypatch.setenv("VOCODER_PHASE_MODE", "upstream")
+    monkeypatch.setenv("VOCODER_URGENT_SLACK_MS", "0")
     parser = build_parser()
     args = parser.parse_args(["--idle-timeout", "7"])
     cfg = VocoderServiceConfig.from_args(args)
     assert cfg.batcher.max_batch_sessions == 1 and cfg.sessions.idle_timeout_s == 7
     assert cfg.model.model_dir is None and cfg.model.preset is None
     assert cfg.model.phase_mode == "upstream"
+    assert cfg.batcher.urgent_slack_ms == 0 and cfg.batcher.urgent_max_frames == 1600
+    with pytest.raises(ValueError, match="--urgent-max-frames -1: want >= 0"):
+        VocoderServiceConfig.from_args(parser.parse_args(["--urgent-max-frames", "-1"]))
     assert VocoderServiceConfig.from_args(
         parser.parse_args(["--phase-mode", "exact"])
     ).model.phase_mode == ("exact")
     assert args.port == 50053 and args.metrics_port == 9103
     text = " ".join(parser.format_help().split())
     flags = "--model-dir --preset --device --dtype --phase-mode --max-sessions --gap-timeout"
-    for flag in (*flags.split(), "--reorder-bytes", "--max-batch-sessions", "--max-wait-ms"):
+    flags += " --reorder-bytes --max-batch-sessions --max-wait-ms --urgent-slack-ms"
+    for flag in (*flags.split(), "--urgent-max-frames"):
         assert flag in text and f"[env {parser.env_name(flag)}]" in text
 
 

@@ -1,6 +1,8 @@
 """The batcher: decides what runs. Each batch takes at most one ready chunk per session (a session's
-chunks depend on each other through its state), oldest first, and advances them all in one
-model call in the worker thread; results go back to the manager by slot.
+chunks depend on each other through its state), least slack first, and advances them all in one
+model call in the worker thread; results go back to the manager by slot. While some ready chunk
+has less slack than `urgent_slack_ms` (a first chunk), a batch takes only such urgent chunks,
+within `urgent_max_frames`, and the others run in the next batch (`SessionManager.take_ready`).
 
 `max_batch_sessions=1` turns batching across sessions off through the same code path (the A/B
 of the benchmark). The batcher touches no tensors: the runner does.
@@ -43,7 +45,12 @@ class Batcher:
         self.num_batches = 0
 
     def schedule(self) -> BatchPlan | None:
-        chunks = self.manager.take_ready(self.config.max_batch_sessions)
+        cfg = self.config
+        chunks = self.manager.take_ready(
+            cfg.max_batch_sessions,
+            urgent_slack_s=cfg.urgent_slack_ms / 1e3,
+            urgent_max_frames=cfg.urgent_max_frames,
+        )
         return BatchPlan(chunks, self.manager.clock()) if chunks else None
 
     def update(self, plan: BatchPlan, out: BatchOutput) -> None:

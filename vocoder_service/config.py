@@ -63,12 +63,26 @@ class BatcherConfig:
     # A batch waits at most this long after its oldest chunk became ready for more sessions to
     # join. Small: chunks of one stream come 1-4 s apart, so waiting longer buys no batch.
     max_wait_ms: float = 2.0
+    # A ready chunk whose slack (deadline - now) is below this is urgent: while one is, a batch
+    # takes only urgent chunks (least slack first) and the others wait for the next batch, so a
+    # first chunk does not pay a batch of long chunks. With the gateway's defaults a first chunk
+    # arrives with at most first-chunk target - margin = 100 ms of slack, a later chunk with
+    # seconds. 0: off. Chunks without a deadline are never urgent.
+    urgent_slack_ms: float = 100.0
+    # An urgent batch closes before a chunk would take its padded frames (rows x longest chunk)
+    # past this (its first chunk always goes): a long urgent chunk does not pad a batch of first
+    # chunks. 1600: 32 first chunks of 50 frames, or 8 of 200. 0: no bound.
+    urgent_max_frames: int = 1600
 
     def __post_init__(self):
         if self.max_batch_sessions < 1:
             raise ValueError("max_batch_sessions must be >= 1")
         if self.max_wait_ms < 0:
             raise ValueError("max_wait_ms must be >= 0")
+        if self.urgent_slack_ms < 0:
+            raise ValueError(f"--urgent-slack-ms {self.urgent_slack_ms:g}: want >= 0")
+        if self.urgent_max_frames < 0:
+            raise ValueError(f"--urgent-max-frames {self.urgent_max_frames}: want >= 0")
 
 
 @dataclass(frozen=True)
@@ -171,6 +185,23 @@ def build_parser() -> EnvParser:
     )
     p.flag("--max-wait-ms", type=float, default=b.max_wait_ms, help="wait for a fuller batch")
     p.flag(
+        "--urgent-slack-ms",
+        type=float,
+        default=b.urgent_slack_ms,
+        help="a ready chunk with less playback slack (deadline - now) than this is urgent: "
+        "while one is, a batch takes only urgent chunks, least slack first, and the others wait "
+        "for the next batch (first chunks come with < 100 ms at the gateway's defaults, later "
+        "chunks with seconds); chunks without a deadline are never urgent; 0: off",
+    )
+    p.flag(
+        "--urgent-max-frames",
+        type=int,
+        default=b.urgent_max_frames,
+        help="an urgent batch stops before its padded mel frames (sessions x longest chunk) "
+        "pass this, so a long urgent chunk does not slow a batch of first chunks (the least "
+        "slack chunk always goes); 0: no bound",
+    )
+    p.flag(
         "--control-clients",
         default="",
         help="comma-separated names (certificate CN or DNS SAN): only peers with a verified "
@@ -225,6 +256,11 @@ class VocoderServiceConfig:
                 retry_window=args.retry_window,
                 retry_cache_bytes=args.retry_cache_bytes,
             ),
-            batcher=BatcherConfig(args.max_batch_sessions, args.max_wait_ms),
+            batcher=BatcherConfig(
+                args.max_batch_sessions,
+                args.max_wait_ms,
+                args.urgent_slack_ms,
+                args.urgent_max_frames,
+            ),
             server=server_options(args),
         )

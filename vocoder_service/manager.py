@@ -216,19 +216,35 @@ class SessionManager:
             self._ready_event.clear()
             await self._ready_event.wait()
 
-    def take_ready(self, max_num: int) -> list[MelChunk]:
+    def take_ready(
+        self, max_num: int, *, urgent_slack_s: float = 0.0, urgent_max_frames: int = 0
+    ) -> list[MelChunk]:
         """Up to `max_num` runnable chunks, at most one per session, least slack (earliest
         playback deadline) first, then oldest first (chunks without a deadline come last, in
         arrival order, as before deadlines); each one's session is marked in flight until
-        `complete` or `reject`."""
+        `complete` or `reject`.
+
+        With `urgent_slack_s` > 0, a chunk whose slack (due - now) is below it is urgent: while
+        any is, only urgent chunks are taken (an urgent batch), and with `urgent_max_frames` > 0
+        only while the batch's padded frames (chunks x longest chunk) stay within it (the first
+        always goes); the others wait for the next call, by when they may be urgent too."""
         taken: list[MelChunk] = []
         now = self.clock()
         order = list(self._ready.values())
         if any(s.pending[s.next_seq].due < math.inf for s in order):
             order.sort(key=lambda s: s.pending[s.next_seq].due)  # stable: FIFO among equals
+        urgent_before = now + urgent_slack_s if urgent_slack_s > 0 else -math.inf
+        urgent = [s for s in order if s.pending[s.next_seq].due < urgent_before]  # a prefix
+        if urgent:
+            order = urgent
+        longest = 0
         for s in order:
             if len(taken) >= max_num:
                 break
+            frames = s.pending[s.next_seq].num_frames
+            if urgent and urgent_max_frames and taken:
+                if (len(taken) + 1) * max(longest, frames) > urgent_max_frames:
+                    break
             del self._ready[s.request_id]
             chunk = s.pending.pop(s.next_seq)
             s.pending_bytes -= chunk.nbytes
@@ -250,6 +266,9 @@ class SessionManager:
             s.idle.clear()
             s.blocked_since = None
             taken.append(chunk)
+            longest = max(longest, frames)
+        if urgent and taken:
+            metrics.URGENT_BATCHES.inc()
         return taken
 
     def complete(

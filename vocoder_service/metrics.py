@@ -33,6 +33,11 @@ STEP_SECONDS = Histogram(
     "Model time of one vocoder batch, one batched HiFT call (device synchronised)",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
+URGENT_BATCHES = Counter(
+    "t2w_vocoder_urgent_batches_total",
+    "Vocoder batches of urgent chunks only (slack below --urgent-slack-ms), run while other "
+    "ready chunks waited for the next batch",
+)
 BATCH_SESSIONS = Histogram(
     "t2w_vocoder_batch_sessions",
     "Sessions advanced by one vocoder batch",
