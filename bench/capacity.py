@@ -396,15 +396,20 @@ def elapsed_since(t0: float) -> float:
 
 
 class CapacityStack(Stack):
-    """One stack (batching on) plus two more gateways in front of the same flow and vocoder
-    services: one with admission control on (the overload run), one that sends no deadlines
-    (the services then schedule as before deadlines: the A/B baseline of the closed loop).
-    Every process exposes its metrics."""
+    """One stack (batching on; `config.gateways` gateways) plus more gateways in front of the
+    same flow and vocoder services: one with admission control on (the overload run), and as
+    many as the stack has that send no deadlines (the services then schedule as before
+    deadlines: the A/B baseline of the closed loop, with the same gateway count as the run it
+    is compared with). The admission gateway stays single: admission is per gateway process
+    (each plans with the flow replicas' whole reported capacity and sees only its own
+    streams), so N of them would each admit as if alone. Every process exposes its metrics."""
+
+    ADMIT, NO_DEADLINES = "gateway.admit", "gateway.nodeadline"
 
     def __init__(self, config: StackConfig, log_dir: Path, admission_args: tuple[str, ...]):
         super().__init__(config, log_dir, name="capacity")
-        self.ports["gateway.1"] = free_port()
-        self.ports["gateway.2"] = free_port()
+        self.add_gateways(self.ADMIT, 1)
+        self.add_gateways(self.NO_DEADLINES, config.gateways)
         self.metrics_ports = {name: free_port() for name in self.ports}
         self.admission_args = admission_args
 
@@ -412,17 +417,11 @@ class CapacityStack(Stack):
         cmds = super().commands()
         for name, cmd in cmds.items():
             cmd += ["--metrics-port", str(self.metrics_ports[name])]  # the last value wins
-        cmds["gateway.1"] += ["--admission=true", *self.admission_args]
-        cmds["gateway.2"] += ["--deadlines=false"]
+        for name in self.gateway_groups[self.ADMIT]:
+            cmds[name] += ["--admission=true", *self.admission_args]
+        for name in self.gateway_groups[self.NO_DEADLINES]:
+            cmds[name] += ["--deadlines=false"]
         return cmds
-
-    @property
-    def admission_target(self) -> str:
-        return f"127.0.0.1:{self.ports['gateway.1']}"
-
-    @property
-    def no_deadline_target(self) -> str:
-        return f"127.0.0.1:{self.ports['gateway.2']}"
 
     def gauges_ports(self) -> dict[str, int]:
         """Module -> metrics port of the processes whose idle gauges count (the admission
@@ -430,7 +429,7 @@ class CapacityStack(Stack):
         return {
             "flow_service": self.metrics_ports["flow_service"],
             "vocoder_service": self.metrics_ports["vocoder_service"],
-            "gateway": self.metrics_ports["gateway.1"],
+            "gateway": self.metrics_ports[self.ADMIT],
         }
 
 
@@ -448,7 +447,13 @@ def run(a, argv: list[str]) -> dict:
     utt_s = workload.utterance_seconds
     criteria = Criteria(a.on_time_share, a.first_chunk_p95_ms)
     env = environment(argv)
-    meta = {"dtype": a.dtype, "preset": a.preset, "device": a.device}
+    meta = {
+        "dtype": a.dtype,
+        "preset": a.preset,
+        "device": a.device,
+        "gateways": a.gateways,
+        "client_procs": a.client_procs,
+    }
     config = StackConfig(
         device=a.device,
         dtype=a.dtype,
@@ -460,6 +465,9 @@ def run(a, argv: list[str]) -> dict:
         gateway_args=tuple(a.gateway_arg),
         startup_timeout_s=a.startup_timeout,
         threads=a.threads,
+        flow_replicas=a.flow_replicas,
+        vocoder_replicas=a.vocoder_replicas,
+        gateways=a.gateways,
     )
     result: dict = {
         **meta,
@@ -491,9 +499,9 @@ def run(a, argv: list[str]) -> dict:
         raise
     log(f"SERVING after {time.monotonic() - t_start:.1f} s")
     targets = {
-        "on": Target(stack.target, stack),
-        "admit": Target(stack.admission_target, stack),
-        "nodeadline": Target(stack.no_deadline_target, stack),
+        "on": Target(stack.targets(), stack),
+        "admit": Target(stack.targets(stack.ADMIT), stack),
+        "nodeadline": Target(stack.targets(stack.NO_DEADLINES), stack),
     }
     sweep_cfg = SweepConfig(
         labels=("on",),
@@ -501,6 +509,7 @@ def run(a, argv: list[str]) -> dict:
         warmup_streams=a.warmup_streams,
         stream_timeout_s=a.stream_timeout,
         drain_timeout_s=a.drain_timeout,
+        client_procs=a.client_procs,
     )
     sweep = Sweep(sweep_cfg, workload, targets, out / "runs", env, meta, a.quiet)
     (out / "runs").mkdir(exist_ok=True)

@@ -54,6 +54,7 @@ class StreamRecord:
     closed: float = 0.0  # the stream ended (last chunk, or its error) as the client saw it
     status: str = "OK"  # a grpc.StatusCode name, or CLIENT_<exception> for a load-generator error
     detail: str = ""
+    target: str = ""  # the gateway address the stream went to
 
     # -- derived ----------------------------------------------------------------------------
     def ready_at(self, seq: int) -> float:
@@ -270,6 +271,8 @@ def stream_summary(rec: StreamRecord, t0: float) -> dict:
         "chunks": len(rec.seqs),
         "audio_s": rec.audio_seconds,
     }
+    if rec.target:
+        out["target"] = rec.target
     if rec.detail:
         out["detail"] = rec.detail[:300]
     if rec.closed:
