@@ -245,13 +245,19 @@ def _fmt(v, spec=".1f"):
     return "-" if v is None else format(v, spec)
 
 
+def _plural(n: int, noun: str, suffix: str = "s") -> str:
+    return f"{n} {noun}{'' if n == 1 else suffix}"
+
+
 def render(result: dict) -> str:
     lines = [
         f"# Real-time capacity ({result['dtype']}, {result['preset']}, {result['device']})",
         "",
         f"Command: `{result['command']}`  ",
         f"Started {result['started_at']}, commit {result.get('commit', '?')}; "
-        f"{result['workload']}. On time: completed with <= 20 ms of buffer beyond what the "
+        f"{result['workload']}; {_plural(result.get('gateways', 1), 'gateway')} (the overload "
+        f"run: one with admission on), load from "
+        f"{_plural(result.get('client_procs', 1), 'client process', 'es')}. On time: completed with <= 20 ms of buffer beyond what the "
         "token input forces; capacity: highest Poisson rate with >= 99 % of streams on time "
         "and first chunk p95 <= 250 ms.",
         "",

@@ -187,6 +187,7 @@ class LoadResult:
     warmup_errors: dict[str, int] = field(default_factory=dict)  # status -> streams
     max_in_flight: int = 0
     timed_out: bool = False
+    procs: int = 1  # load-generator processes that ran it
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,8 @@ async def _warmup(
     return errors
 
 
-async def _closed(plan, clients, part, t0, on_done, records) -> bool:
+async def _closed(plan, clients, part, start, on_done, records) -> tuple[float, bool]:
+    """(the start, whether the run timed out)"""
     c, k_per = plan.concurrency, plan.utterances_per_stream
 
     async def worker(w: int) -> None:
@@ -287,16 +289,19 @@ async def _closed(plan, clients, part, t0, on_done, records) -> bool:
 
     workers = range(part, c, plan.procs)
     voices = {w: plan.voice(w) for w in workers}
-    await _sleep_until(t0)
+    t0 = await start()
     left = None if plan.timeout_s is None else t0 + plan.timeout_s - time.perf_counter()
     try:
-        await asyncio.wait_for(asyncio.gather(*(worker(w) for w in workers)), left)
+        await asyncio.wait_for(
+            asyncio.gather(*(worker(w) for w in workers)), None if left is None else max(0.0, left)
+        )
     except asyncio.TimeoutError:
-        return True
-    return False
+        return t0, True
+    return t0, False
 
 
-async def _open(plan, clients, part, t0, on_done, records) -> bool:
+async def _open(plan, clients, part, start, on_done, records) -> tuple[float, bool]:
+    """(the start, whether streams were still running at the end of the drain)"""
     arrivals = plan.arrivals()
     mine = np.flatnonzero(plan.owners(len(arrivals)) == part)
     inputs = {
@@ -314,12 +319,13 @@ async def _open(plan, clients, part, t0, on_done, records) -> bool:
         finally:
             on_done(rec)
 
+    t0 = await start()
     tasks = []
     for i in mine:
         await _sleep_until(t0 + float(arrivals[i]))
         tasks.append(asyncio.ensure_future(one(int(i))))
     if not tasks:
-        return False
+        return t0, False
     # the drain counts from the run's last arrival, whichever process has it
     last = t0 + (float(arrivals[-1]) if len(arrivals) else 0.0)
     drain = None if plan.timeout_s is None else max(time.perf_counter(), last) + plan.timeout_s
@@ -329,7 +335,7 @@ async def _open(plan, clients, part, t0, on_done, records) -> bool:
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
-    return bool(pending)
+    return t0, bool(pending)
 
 
 def _route(plan: LoadPlan, clients: list[AsyncClient], n: int, rec: StreamRecord) -> AsyncClient:
@@ -352,15 +358,14 @@ async def _drive_part(
     on_done: Callable[[StreamRecord], None],
 ) -> _Part:
     """Process `part`'s share of the run: its warm-up streams, then (from the instant `start()`
-    returns) its measured streams, over one channel per gateway."""
+    returns, once its inputs are made) its measured streams, over one channel per gateway."""
     records: list[StreamRecord] = []
     async with contextlib.AsyncExitStack() as stack:
         clients = [await stack.enter_async_context(AsyncClient(t)) for t in plan.targets]
         num_voices = plan.concurrency if plan.kind == "closed" else len(plan.arrivals())
         warm = await _warmup(plan, clients, part, num_voices)
-        t0 = await start()
         run = _closed if plan.kind == "closed" else _open
-        timed_out = await run(plan, clients, part, t0, on_done, records)
+        t0, timed_out = await run(plan, clients, part, start, on_done, records)
         end = time.perf_counter()
     return _Part(records, warm, t0, end, timed_out)
 
@@ -390,12 +395,13 @@ def _merge(plan: LoadPlan, parts: list[_Part]) -> LoadResult:
     timed_out = any(part.timed_out for part in parts)
     peak = peak_in_flight(records)
     if plan.kind == "closed":  # the window: the workers' start to the last completion
-        return LoadResult(records, end - t0, t0, warm, peak, timed_out)
+        return LoadResult(records, end - t0, t0, warm, peak, timed_out, len(parts))
     # open loop: the first arrival to the last completion
     arrivals = plan.arrivals()
     first = t0 + (float(arrivals[0]) if len(arrivals) else 0.0)
     ends = [r.arrivals[-1] for r in records if r.arrivals]
-    return LoadResult(records, (max(ends) if ends else end) - first, first, warm, peak, timed_out)
+    window = (max(ends) if ends else end) - first
+    return LoadResult(records, window, first, warm, peak, timed_out, len(parts))
 
 
 class LoadgenError(RuntimeError):
@@ -408,6 +414,8 @@ START_LEAD_S = 0.05  # the shared start is this far after the go, so every proce
 def run_load(plan: LoadPlan, progress: Progress) -> LoadResult:
     """Run `plan` (blocking): in this process, or with `plan.procs` > 1 in that many
     load-generator processes started for the run (their warm-ups first, then one shared start)."""
+    if plan.kind == "closed" and plan.procs > plan.concurrency:
+        plan = replace(plan, procs=max(1, plan.concurrency))  # a process per worker at most
     if plan.procs == 1:
 
         async def now() -> float:
@@ -488,6 +496,7 @@ def _child(plan: LoadPlan, part: int, messages, go, start, parent: int) -> None:
         while not await asyncio.to_thread(go.wait, 1.0):
             if os.getppid() != parent:  # the parent is gone: nobody will say go
                 raise LoadgenError("parent process exited")
+        await _sleep_until(start.value)
         return start.value
 
     def done(rec: StreamRecord) -> None:

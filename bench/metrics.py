@@ -2,7 +2,8 @@
 
 Pure functions over plain data (no gRPC, no clock), so the smoke test and the unit tests can
 check them on hand-made records. Every time is `time.perf_counter()` seconds in the load
-generator's process; the per-chunk `timing` fields are the services' own milliseconds.
+generator's processes (CLOCK_MONOTONIC on Linux: one clock for all of them, so records made by
+several processes compare); the per-chunk `timing` fields are the services' own milliseconds.
 
 Definitions (docs/BENCHMARKS.md explains them at more length):
   first-chunk latency   first audio arrival - the moment the first chunk's tokens (first hop +

@@ -265,7 +265,7 @@ class Sweep:
             **self.meta,
             "target": target.address,
             "gateways": len(target.addresses),
-            "client_procs": cfg.client_procs,
+            "client_procs": result.procs,  # at most one per closed-loop worker
             "started_at": started_at,
             "workload": asdict(workload),
             "warmup": {"streams": warmup, "errors": result.warmup_errors},

@@ -494,7 +494,7 @@ async def test_load_spreads_over_gateways_and_merges_client_processes():
                 res = await asyncio.to_thread(run_load, plan, progress)
                 after = time.perf_counter()
                 results[procs] = res
-                assert res.warmup_errors == {} and not res.timed_out
+                assert res.warmup_errors == {} and not res.timed_out and res.procs == procs
                 assert progress.done == len(res.records) and progress.failed == 0
                 for r in res.records:
                     assert r.ok and r.problems() == [], (r.stream_id, r.status, r.detail)
