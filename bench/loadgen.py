@@ -478,6 +478,8 @@ def _run_procs(plan: LoadPlan, progress: Progress) -> list[_Part]:
         finished = True
     finally:
         for proc in procs:
+            if proc.pid is None:
+                continue  # never started
             if not finished:  # an error, Ctrl-C or SIGTERM here: the others' streams go too
                 proc.terminate()
             proc.join(timeout=5.0)

@@ -523,3 +523,19 @@ async def test_load_spreads_over_gateways_and_merges_client_processes():
     finally:
         await second.drain()
         await stack.stop()
+
+
+def test_a_failing_load_process_fails_the_run_and_leaves_no_process():
+    """A load-generator process that fails (here: a plan it cannot run) ends the run with its
+    traceback, the others are stopped, and nothing waits for a start that never comes."""
+    import multiprocessing
+
+    from bench.loadgen import LoadgenError, LoadPlan, Progress, run_load
+
+    plan = LoadPlan(
+        "closed", ("127.0.0.1:1",), WorkloadConfig(utterance_tokens=30), 2, "x", procs=2
+    )
+    object.__setattr__(plan, "utterances_per_stream", "two")  # frozen; the processes get a copy
+    with pytest.raises(LoadgenError, match="(?s)load-generator process . failed.*TypeError"):
+        run_load(plan, Progress("", 0, enabled=False))
+    assert multiprocessing.active_children() == []
