@@ -245,6 +245,16 @@ def _fmt(v, spec=".1f"):
     return "-" if v is None else format(v, spec)
 
 
+def _stages(st: dict | None) -> str:
+    if not st:
+        return "-"
+    return (
+        f"{st['flow_queue_ms']:.0f} + {st['flow_compute_ms']:.0f}, "
+        f"{st['vocoder_queue_ms']:.0f} + {st['vocoder_compute_ms']:.0f}, "
+        f"{st['gateway_ms']:.0f}, {st['wire_ms']:.0f}"
+    )
+
+
 def _plural(n: int, noun: str, suffix: str = "s") -> str:
     return f"{n} {noun}{'' if n == 1 else suffix}"
 
@@ -267,15 +277,16 @@ def render(result: dict) -> str:
             "## Closed loop (one utterance per stream, all starting together)",
             "",
             "| gateway | streams | xRT | first chunk p50 / p95 ms | stack-stalled streams | "
-            "excess buffer p95 ms | errors |",
-            "|---|---|---|---|---|---|---|",
+            "excess buffer p95 ms | errors | first chunk means ms: flow queue + compute, "
+            "vocoder queue + compute, gateway, wire |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for c in result["closed"]:
             lines.append(
                 f"| {c['gateway']} | {c['concurrency']} | {_fmt(c['xrt'])} | "
                 f"{_fmt(c['first_p50'], '.0f')} / {_fmt(c['first_p95'], '.0f')} | "
                 f"{c['stack_streams']} of {c['streams']} | {_fmt(c['excess_p95'], '.0f')} | "
-                f"{c['errors'] or '-'} |"
+                f"{c['errors'] or '-'} | {_stages(c.get('first_stages'))} |"
             )
         lines.append("")
     for key, search_result in result.get("capacity", {}).items():
@@ -554,6 +565,7 @@ def run(a, argv: list[str]) -> dict:
                     "stack_streams": m["underruns"]["stack_streams"],
                     "excess_p95": (m["underruns"]["excess_buffer_ms"] or {}).get("p95"),
                     "errors": m["errors"],
+                    "first_stages": m["first_chunk_stages"],
                 }
             )
             save()
