@@ -12,9 +12,9 @@
 Without --target it starts its own stacks (flow, vocoder, gateway as subprocesses; one per
 batching mode, side by side) and stops them at the end. --gateways N starts N gateways per
 stack (a deployment's replicas behind a load balancer) and --client-procs K drives the load
-from K processes (a client population, not one event loop); streams go round robin. Each run writes DIR/<run>.json,
-DIR/results.md is rewritten after every run, and plots (PNG) come at the end when matplotlib
-is installed. docs/BENCHMARKS.md explains every figure.
+from K processes (a client population, not one event loop); streams go round robin. Each run
+writes DIR/<run>.json, DIR/results.md is rewritten after every run, and plots (PNG) come at the
+end when matplotlib is installed. docs/BENCHMARKS.md explains every figure.
 """
 
 from __future__ import annotations
