@@ -10,9 +10,11 @@
       --paces 0,50 --closed-concurrency 64 --out-dir DIR        # real-time capacity (bench/capacity.py)
 
 Without --target it starts its own stacks (flow, vocoder, gateway as subprocesses; one per
-batching mode, side by side) and stops them at the end. Each run writes DIR/<run>.json,
-DIR/results.md is rewritten after every run, and plots (PNG) come at the end when matplotlib
-is installed. docs/BENCHMARKS.md explains every figure.
+batching mode, side by side) and stops them at the end. --gateways N starts N gateways per
+stack (a deployment's replicas behind a load balancer) and --client-procs K drives the load
+from K processes (a client population, not one event loop); streams go round robin. Each run
+writes DIR/<run>.json, DIR/results.md is rewritten after every run, and plots (PNG) come at the
+end when matplotlib is installed. docs/BENCHMARKS.md explains every figure.
 """
 
 from __future__ import annotations
@@ -54,6 +56,16 @@ def _labels(text: str) -> tuple[str, ...]:
     return labels
 
 
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"want an integer >= 1, got {text!r}")
+    return n
+
+
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -64,7 +76,12 @@ def _bool(text: str) -> bool:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("stack (ignored with --target)")
-    g.add_argument("--target", default="", help="drive this gateway HOST:PORT, start nothing")
+    g.add_argument(
+        "--target",
+        default="",
+        help="drive this gateway HOST:PORT (or several, comma-separated: streams round robin), "
+        "start nothing",
+    )
     g.add_argument("--label", default="external", help="name of the --target runs")
     g.add_argument("--device", default="cpu", help="torch device of flow and vocoder")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -78,8 +95,18 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-dir", default="", help="official flow.pt/hift.pt; empty: random")
     g.add_argument("--batching", type=_labels, default=("on", "off"), help="on, off or on,off")
     g.add_argument("--startup-timeout", type=float, default=600.0, help="s to get SERVING")
-    g.add_argument("--flow-replicas", type=int, default=1, help="flow processes behind the gateway")
-    g.add_argument("--vocoder-replicas", type=int, default=1, help="vocoder processes")
+    g.add_argument(
+        "--flow-replicas", type=_count, default=1, help="flow processes behind the gateways"
+    )
+    g.add_argument("--vocoder-replicas", type=_count, default=1, help="vocoder processes")
+    g.add_argument(
+        "--gateways",
+        type=_count,
+        default=1,
+        help="gateway processes in front of the same flow and vocoder replicas, as a deployment "
+        "runs several behind a load balancer; the load generator spreads streams over them "
+        "round robin (one gateway is one Python event loop for all of its streams)",
+    )
     for svc in ("flow", "vocoder", "gateway"):
         g.add_argument(
             f"--{svc}-arg",
@@ -96,6 +123,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     w.add_argument("--audio-format", default="pcm16", choices=["pcm16", "float32"])
     w.add_argument("--warmup-streams", type=int, default=4, help="per run, not measured")
     w.add_argument("--stream-timeout", type=float, default=600.0, help="deadline per stream, s")
+    w.add_argument(
+        "--client-procs",
+        type=_count,
+        default=1,
+        help="load-generator processes, each with its own event loop and its share of a run's "
+        "streams (closed loop: workers; open loop: arrivals, each process Poisson at "
+        "rate/K), all started on one clock; a client population is not one event loop",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--out-dir", default="out/bench", help="run JSONs, results.md, plots, logs")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -209,6 +244,7 @@ def _sweep_config(a: argparse.Namespace) -> SweepConfig:
         stream_timeout_s=a.stream_timeout,
         drain_timeout_s=a.drain_timeout,
         time_budget_s=a.time_budget,
+        client_procs=a.client_procs,
     )
     if a.cmd == "poisson":
         return SweepConfig(concurrency=(), **common)
@@ -243,7 +279,7 @@ def run_benchmark(
     if not a.target:
         meta.update(flow_replicas=a.flow_replicas, vocoder_replicas=a.vocoder_replicas)
     if a.target:
-        targets = {a.label: Target(a.target)}
+        targets = {a.label: Target([t.strip() for t in a.target.split(",") if t.strip()])}
         stacks = []
     else:
         configs = [
@@ -261,6 +297,7 @@ def run_benchmark(
                 threads=threads,
                 flow_replicas=a.flow_replicas,
                 vocoder_replicas=a.vocoder_replicas,
+                gateways=a.gateways,
             )
             for label in cfg.labels
         ]
@@ -272,7 +309,7 @@ def run_benchmark(
         )
         stacks = start_stacks(configs, out / "logs")
         print(f"stacks SERVING after {time.monotonic() - t:.1f} s", file=sys.stderr, flush=True)
-        targets = {s.config.label: Target(s.target, s) for s in stacks}
+        targets = {s.config.label: Target(s.targets(), s) for s in stacks}
     try:
         runs = Sweep(cfg, workload, targets, out, env, meta, a.quiet).run_all(specs)
     finally:

@@ -245,13 +245,29 @@ def _fmt(v, spec=".1f"):
     return "-" if v is None else format(v, spec)
 
 
+def _stages(st: dict | None) -> str:
+    if not st:
+        return "-"
+    return (
+        f"{st['flow_queue_ms']:.0f} + {st['flow_compute_ms']:.0f}, "
+        f"{st['vocoder_queue_ms']:.0f} + {st['vocoder_compute_ms']:.0f}, "
+        f"{st['gateway_ms']:.0f}, {st['wire_ms']:.0f}"
+    )
+
+
+def _plural(n: int, noun: str, suffix: str = "s") -> str:
+    return f"{n} {noun}{'' if n == 1 else suffix}"
+
+
 def render(result: dict) -> str:
     lines = [
         f"# Real-time capacity ({result['dtype']}, {result['preset']}, {result['device']})",
         "",
         f"Command: `{result['command']}`  ",
         f"Started {result['started_at']}, commit {result.get('commit', '?')}; "
-        f"{result['workload']}. On time: completed with <= 20 ms of buffer beyond what the "
+        f"{result['workload']}; {_plural(result.get('gateways', 1), 'gateway')} (the overload "
+        f"run: one with admission on), load from "
+        f"{_plural(result.get('client_procs', 1), 'client process', 'es')}. On time: completed with <= 20 ms of buffer beyond what the "
         "token input forces; capacity: highest Poisson rate with >= 99 % of streams on time "
         "and first chunk p95 <= 250 ms.",
         "",
@@ -261,15 +277,16 @@ def render(result: dict) -> str:
             "## Closed loop (one utterance per stream, all starting together)",
             "",
             "| gateway | streams | xRT | first chunk p50 / p95 ms | stack-stalled streams | "
-            "excess buffer p95 ms | errors |",
-            "|---|---|---|---|---|---|---|",
+            "excess buffer p95 ms | errors | first chunk means ms: flow queue + compute, "
+            "vocoder queue + compute, gateway, wire |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for c in result["closed"]:
             lines.append(
                 f"| {c['gateway']} | {c['concurrency']} | {_fmt(c['xrt'])} | "
                 f"{_fmt(c['first_p50'], '.0f')} / {_fmt(c['first_p95'], '.0f')} | "
                 f"{c['stack_streams']} of {c['streams']} | {_fmt(c['excess_p95'], '.0f')} | "
-                f"{c['errors'] or '-'} |"
+                f"{c['errors'] or '-'} | {_stages(c.get('first_stages'))} |"
             )
         lines.append("")
     for key, search_result in result.get("capacity", {}).items():
@@ -396,15 +413,20 @@ def elapsed_since(t0: float) -> float:
 
 
 class CapacityStack(Stack):
-    """One stack (batching on) plus two more gateways in front of the same flow and vocoder
-    services: one with admission control on (the overload run), one that sends no deadlines
-    (the services then schedule as before deadlines: the A/B baseline of the closed loop).
-    Every process exposes its metrics."""
+    """One stack (batching on; `config.gateways` gateways) plus more gateways in front of the
+    same flow and vocoder services: one with admission control on (the overload run), and as
+    many as the stack has that send no deadlines (the services then schedule as before
+    deadlines: the A/B baseline of the closed loop, with the same gateway count as the run it
+    is compared with). The admission gateway stays single: admission is per gateway process
+    (each plans with the flow replicas' whole reported capacity and sees only its own
+    streams), so N of them would each admit as if alone. Every process exposes its metrics."""
+
+    ADMIT, NO_DEADLINES = "gateway.admit", "gateway.nodeadline"
 
     def __init__(self, config: StackConfig, log_dir: Path, admission_args: tuple[str, ...]):
         super().__init__(config, log_dir, name="capacity")
-        self.ports["gateway.1"] = free_port()
-        self.ports["gateway.2"] = free_port()
+        self.add_gateways(self.ADMIT, 1)
+        self.add_gateways(self.NO_DEADLINES, config.gateways)
         self.metrics_ports = {name: free_port() for name in self.ports}
         self.admission_args = admission_args
 
@@ -412,17 +434,11 @@ class CapacityStack(Stack):
         cmds = super().commands()
         for name, cmd in cmds.items():
             cmd += ["--metrics-port", str(self.metrics_ports[name])]  # the last value wins
-        cmds["gateway.1"] += ["--admission=true", *self.admission_args]
-        cmds["gateway.2"] += ["--deadlines=false"]
+        for name in self.gateway_groups[self.ADMIT]:
+            cmds[name] += ["--admission=true", *self.admission_args]
+        for name in self.gateway_groups[self.NO_DEADLINES]:
+            cmds[name] += ["--deadlines=false"]
         return cmds
-
-    @property
-    def admission_target(self) -> str:
-        return f"127.0.0.1:{self.ports['gateway.1']}"
-
-    @property
-    def no_deadline_target(self) -> str:
-        return f"127.0.0.1:{self.ports['gateway.2']}"
 
     def gauges_ports(self) -> dict[str, int]:
         """Module -> metrics port of the processes whose idle gauges count (the admission
@@ -430,7 +446,7 @@ class CapacityStack(Stack):
         return {
             "flow_service": self.metrics_ports["flow_service"],
             "vocoder_service": self.metrics_ports["vocoder_service"],
-            "gateway": self.metrics_ports["gateway.1"],
+            "gateway": self.metrics_ports[self.ADMIT],
         }
 
 
@@ -448,7 +464,13 @@ def run(a, argv: list[str]) -> dict:
     utt_s = workload.utterance_seconds
     criteria = Criteria(a.on_time_share, a.first_chunk_p95_ms)
     env = environment(argv)
-    meta = {"dtype": a.dtype, "preset": a.preset, "device": a.device}
+    meta = {
+        "dtype": a.dtype,
+        "preset": a.preset,
+        "device": a.device,
+        "gateways": a.gateways,
+        "client_procs": a.client_procs,
+    }
     config = StackConfig(
         device=a.device,
         dtype=a.dtype,
@@ -460,6 +482,9 @@ def run(a, argv: list[str]) -> dict:
         gateway_args=tuple(a.gateway_arg),
         startup_timeout_s=a.startup_timeout,
         threads=a.threads,
+        flow_replicas=a.flow_replicas,
+        vocoder_replicas=a.vocoder_replicas,
+        gateways=a.gateways,
     )
     result: dict = {
         **meta,
@@ -491,9 +516,9 @@ def run(a, argv: list[str]) -> dict:
         raise
     log(f"SERVING after {time.monotonic() - t_start:.1f} s")
     targets = {
-        "on": Target(stack.target, stack),
-        "admit": Target(stack.admission_target, stack),
-        "nodeadline": Target(stack.no_deadline_target, stack),
+        "on": Target(stack.targets(), stack),
+        "admit": Target(stack.targets(stack.ADMIT), stack),
+        "nodeadline": Target(stack.targets(stack.NO_DEADLINES), stack),
     }
     sweep_cfg = SweepConfig(
         labels=("on",),
@@ -501,6 +526,7 @@ def run(a, argv: list[str]) -> dict:
         warmup_streams=a.warmup_streams,
         stream_timeout_s=a.stream_timeout,
         drain_timeout_s=a.drain_timeout,
+        client_procs=a.client_procs,
     )
     sweep = Sweep(sweep_cfg, workload, targets, out / "runs", env, meta, a.quiet)
     (out / "runs").mkdir(exist_ok=True)
@@ -539,6 +565,7 @@ def run(a, argv: list[str]) -> dict:
                     "stack_streams": m["underruns"]["stack_streams"],
                     "excess_p95": (m["underruns"]["excess_buffer_ms"] or {}).get("p95"),
                     "errors": m["errors"],
+                    "first_stages": m["first_chunk_stages"],
                 }
             )
             save()

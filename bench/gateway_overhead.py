@@ -3,6 +3,7 @@
 
     PYTHONPATH=. python3 bench/gateway_overhead.py --streams 64            # CPU is enough
     PYTHONPATH=. python3 bench/gateway_overhead.py --streams 64 --profile out/gw.prof
+    PYTHONPATH=. python3 bench/gateway_overhead.py --streams 64 --gateways 4  # streams round robin
 
 A real gateway process (`python -m gateway`, optionally under cProfile) in front of two
 stand-ins in this process that answer at once: a flow service whose mel is zeros of the right
@@ -10,13 +11,16 @@ shape, and a vocoder that turns every mel frame into 480 zero samples. N streams
 (as the closed loop of `python -m bench` does), each with its own inline 3 s voice and all of
 its 250 tokens at once. Prints the client-measured first-chunk latency (tokens sent -> first
 audio) p50/p95/max and the time until every stream ended: on the GPU host the same time sits in
-the "gateway" and "wire" stages of the stage attribution, on top of the models.
+the "gateway" and "wire" stages of the stage attribution, on top of the models. With
+--gateways N, N gateway processes share the streams (stream i: gateway i mod N), as replicas
+behind a load balancer would; the client and the stand-ins stay one process.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import subprocess
@@ -95,46 +99,56 @@ async def one_stream(client: AsyncClient, voice, tokens) -> tuple[float, float]:
 async def main_async(a: argparse.Namespace) -> list[dict]:
     flow, flow_port = await stand_in(InstantFlow(), flow_pb2_grpc.add_FlowServicer_to_server)
     voc, voc_port = await stand_in(InstantVocoder(), vocoder_pb2_grpc.add_VocoderServicer_to_server)
-    port = a.port or free_port()
-    cmd = [sys.executable]
-    if a.profile:
-        cmd += ["-m", "cProfile", "-o", a.profile]
-    cmd += ["-m", "gateway", "--port", str(port), "--metrics-port", "0"]
-    cmd += ["--flow-addr", f"127.0.0.1:{flow_port}", "--vocoder-addr", f"127.0.0.1:{voc_port}"]
-    cmd += ["--max-streams", str(max(256, 2 * a.streams))]
-    gw = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    ports = [a.port or free_port()] + [free_port() for _ in range(a.gateways - 1)]
+    gws = []
+    for i, port in enumerate(ports):
+        cmd = [sys.executable]
+        if a.profile:  # one file per gateway: PROFILE, PROFILE.1, ...
+            cmd += ["-m", "cProfile", "-o", a.profile + (f".{i}" if i else "")]
+        cmd += ["-m", "gateway", "--port", str(port), "--metrics-port", "0"]
+        cmd += ["--flow-addr", f"127.0.0.1:{flow_port}", "--vocoder-addr", f"127.0.0.1:{voc_port}"]
+        cmd += ["--max-streams", str(max(256, 2 * a.streams))]
+        gws.append(subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1")))
     try:
-        target = f"127.0.0.1:{port}"
-        async with AsyncClient(target) as client:
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [
+                await stack.enter_async_context(AsyncClient(f"127.0.0.1:{port}")) for port in ports
+            ]
             voices = [make_bench_voice(0, i, 75) for i in range(a.streams)]
             rng = np.random.default_rng(0)
             tokens = rng.integers(0, 6561, (a.streams, a.tokens))
-            for _ in range(60):  # the gateway is SERVING once its stages answer
-                try:
-                    await one_stream(client, voices[0], tokens[0])
-                    break
-                except grpc.aio.AioRpcError:
-                    await asyncio.sleep(0.5)
+            for client in clients:
+                for _ in range(60):  # a gateway is SERVING once its stages answer
+                    try:
+                        await one_stream(client, voices[0], tokens[0])
+                        break
+                    except grpc.aio.AioRpcError:
+                        await asyncio.sleep(0.5)
             rounds = []
             for rnd in range(a.rounds):
                 t0 = time.perf_counter()
                 res = await asyncio.gather(
-                    *(one_stream(client, voices[i], tokens[i]) for i in range(a.streams))
+                    *(
+                        one_stream(clients[i % len(clients)], voices[i], tokens[i])
+                        for i in range(a.streams)
+                    )
                 )
                 wall = time.perf_counter() - t0
                 first = sorted(r[0] * 1e3 for r in res)
                 p95 = first[min(len(first) - 1, int(0.95 * len(first)))]
                 rounds.append({"first_ms": first, "wall_ms": wall * 1e3})
                 print(
-                    f"round {rnd}: {a.streams} streams, first chunk p50 "
+                    f"round {rnd}: {a.streams} streams over {len(ports)} gateway(s), first chunk p50 "
                     f"{statistics.median(first):.0f} ms, p95 {p95:.0f} ms, max {first[-1]:.0f} ms; "
                     f"all ended after {wall * 1e3:.0f} ms",
                     flush=True,
                 )
         return rounds
     finally:
-        gw.send_signal(2)  # SIGINT: the gateway drains and cProfile writes its file
-        gw.wait(timeout=30)
+        for gw in gws:
+            gw.send_signal(2)  # SIGINT: the gateway drains and cProfile writes its file
+        for gw in gws:
+            gw.wait(timeout=30)
         await flow.stop(None)
         await voc.stop(None)
 
@@ -145,8 +159,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--tokens", type=int, default=250, help="per stream (250 = 10 s)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--port", type=int, default=0, help="the gateway's port (0: a free one)")
+    p.add_argument("--gateways", type=int, default=1, help="gateway processes, streams round robin")
     p.add_argument("--profile", default="", help="write the gateway's cProfile stats here")
-    return asyncio.run(main_async(p.parse_args(argv)))
+    a = p.parse_args(argv)
+    if a.gateways < 1:
+        p.error(f"--gateways: {a.gateways}, want >= 1")
+    return asyncio.run(main_async(a))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,16 @@
 """The asyncio load generator: streams driven through the gateway's public API
 (gateway.client.AsyncClient), closed-loop workers and Poisson open-loop arrivals.
 
-One process, one event loop, one channel: what an LLM server in front of the gateway would do.
+A run is a `LoadPlan`. Its streams go to the plan's gateway addresses round robin (a load
+balancer in front of several gateways), and with `procs` > 1 they are driven by that many
+processes, each with its own event loop and channels and its share of the streams (a client
+population is not one Python event loop): closed loop, the workers dealt out round robin;
+open loop, each arrival given to a seeded random process, which splits the one Poisson process
+into `procs` independent ones at rate / procs. Which stream is which (voice, tokens, id,
+gateway, arrival time) never depends on `procs`. All processes start on one shared instant of
+`time.perf_counter()` (CLOCK_MONOTONIC on Linux: one clock for every process of the machine),
+so their records merge into one run as if one process had made them.
+
 Tokens go out all at once or at a fixed pace on an absolute clock (a late loop catches up by
 sending every token that is due in one message, so the pace never drifts).
 """
@@ -9,8 +18,14 @@ sending every token that is due in one message, so the pace never drifts).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import queue
 import sys
 import time
+import traceback
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -18,6 +33,7 @@ import numpy as np
 
 from bench.metrics import StreamRecord
 from bench.workload import (
+    InvalidConfig,
     WorkloadConfig,
     chunk_needs,
     make_bench_voice,
@@ -45,9 +61,13 @@ class Progress:
         self.audio_s = 0.0
 
     def update(self, rec: StreamRecord) -> None:
+        self.count(rec.ok, rec.audio_seconds)
+
+    def count(self, ok: bool, audio_s: float) -> None:
+        """One stream finished (in this process or in a load-generator process)."""
         self.done += 1
-        self.failed += not rec.ok
-        self.audio_s += rec.audio_seconds
+        self.failed += not ok
+        self.audio_s += audio_s
         self._draw(final=False)
 
     def _draw(self, final: bool) -> None:
@@ -167,143 +187,324 @@ class LoadResult:
     warmup_errors: dict[str, int] = field(default_factory=dict)  # status -> streams
     max_in_flight: int = 0
     timed_out: bool = False
+    procs: int = 1  # load-generator processes that ran it
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """One run of the load generator (picklable: the load-generator processes get a copy).
+
+    closed: `level` workers (concurrency), each running `utterances_per_stream` utterances back
+    to back; utterance k of worker w is stream w * K + k of the run, whatever the batching mode,
+    and goes to gateway (k * level + w) mod N, so each round of utterances is spread evenly.
+    Streams still running `timeout_s` after the start are cancelled.
+    open: Poisson arrivals at `level` streams/s for `duration_s` s, stream i with its own voice
+    to gateway i mod N; arrivals never wait for completions (the load does not back off when
+    the stack is slow). Streams still running `timeout_s` after the last arrival are cancelled.
+    Warm-up stream i (not measured) goes to gateway i mod N."""
+
+    kind: str  # "closed" | "open"
+    targets: tuple[str, ...]  # gateway addresses
+    workload: WorkloadConfig
+    level: float  # concurrency (closed) or streams/s (open)
+    run_id: str
+    warmup_streams: int = 0
+    stream_timeout_s: float | None = None
+    timeout_s: float | None = None  # closed: the run's; open: the drain after the last arrival
+    utterances_per_stream: int = 1  # closed
+    duration_s: float = 0.0  # open
+    procs: int = 1  # load-generator processes
+
+    def __post_init__(self):
+        if self.kind not in ("closed", "open"):
+            raise InvalidConfig("kind", f"{self.kind!r}, want closed or open")
+        if not self.targets:
+            raise InvalidConfig("target", "no gateway address")
+        if self.procs < 1:
+            raise InvalidConfig("client_procs", f"{self.procs}, want >= 1")
+
+    @property
+    def concurrency(self) -> int:
+        return int(self.level)
+
+    def arrivals(self) -> np.ndarray:
+        return poisson_arrivals(self.workload.seed, self.level, self.duration_s)
+
+    def owners(self, n: int) -> np.ndarray:
+        """Open loop: the process of each of `n` arrivals. Independent uniform choices: each
+        process's arrivals are then a Poisson process of rate / procs."""
+        rng = np.random.default_rng([self.workload.seed, 5, self.procs])
+        return rng.integers(0, self.procs, n)
+
+    def voice(self, index: int) -> VoiceData:
+        return make_bench_voice(self.workload.seed, index, self.workload.prompt_tokens)
+
+
+@dataclass
+class _Part:
+    """What one load-generator process measured."""
+
+    records: list[StreamRecord]
+    warmup_errors: dict[str, int]
+    t0: float  # perf_counter of the run's start (the same instant in every process)
+    end: float  # perf_counter when its last stream ended (or was cancelled)
+    timed_out: bool
 
 
 async def _warmup(
-    client: AsyncClient,
-    workload: WorkloadConfig,
-    voices: list[VoiceData],
-    num: int,
-    timeout,
-    run_id: str,
+    plan: LoadPlan, clients: list[AsyncClient], part: int, num_voices: int
 ) -> dict[str, int]:
-    """`num` streams at once, not measured: first CUDA kernels, allocator growth, cuDNN plans
-    and the services' voice caches. Returns the failures (a broken stack shows up here)."""
-    workload = replace(workload, pace=0.0)  # warming kernels needs the shapes, not the wait
+    """This process's share (every procs-th) of `plan.warmup_streams` streams at once, not
+    measured: first CUDA kernels, allocator growth, cuDNN plans and the services' voice caches.
+    Returns the failures (a broken stack shows up here)."""
+    workload = replace(plan.workload, pace=0.0)  # warming kernels needs the shapes, not the wait
     jobs = []
-    for i in range(num):
-        voice = voices[i % len(voices)]
+    for i in range(part, plan.warmup_streams, plan.procs):
+        voice = plan.voice(i % max(1, num_voices))
         tokens = make_tokens(workload.seed, i, workload.utterance_tokens, warmup=True)
-        jobs.append((voice, tokens, new_record(f"{run_id}-warmup-{i}", voice, tokens)))
-    await asyncio.gather(*(drive_stream(client, v, t, workload, r, timeout) for v, t, r in jobs))
-    recs = [r for _, _, r in jobs]
+        rec = new_record(f"{plan.run_id}-warmup-{i}", voice, tokens)
+        jobs.append((_route(plan, clients, i, rec), voice, tokens, rec))
+    timeout = plan.stream_timeout_s
+    await asyncio.gather(*(drive_stream(c, v, t, workload, r, timeout) for c, v, t, r in jobs))
     errors: dict[str, int] = {}
-    for r in recs:
+    for *_, r in jobs:
         if not r.ok:
             errors[r.status] = errors.get(r.status, 0) + 1
     return errors
 
 
-async def closed_loop(
-    target: str,
-    workload: WorkloadConfig,
-    concurrency: int,
-    utterances_per_stream: int,
-    warmup_streams: int,
-    stream_timeout: float | None,
-    run_timeout: float | None,
-    progress: Progress,
-    run_id: str,
-) -> LoadResult:
-    """`concurrency` workers, each running `utterances_per_stream` utterances back to back.
-    Utterance k of worker w is stream w * K + k of the run, whatever the batching mode."""
-    k_per = utterances_per_stream
-    voices = [
-        make_bench_voice(workload.seed, w, workload.prompt_tokens) for w in range(concurrency)
-    ]
-    records: list[StreamRecord] = []
-    async with AsyncClient(target) as client:
-        warm = await _warmup(client, workload, voices, warmup_streams, stream_timeout, run_id)
-        in_flight = 0
-        peak = 0
+async def _closed(plan, clients, part, start, on_done, records) -> tuple[float, bool]:
+    """(the start, whether the run timed out)"""
+    c, k_per = plan.concurrency, plan.utterances_per_stream
 
-        async def worker(w: int) -> None:
-            nonlocal in_flight, peak
-            for k in range(k_per):
-                idx = w * k_per + k
-                tokens = make_tokens(workload.seed, idx, workload.utterance_tokens)
-                rec = new_record(f"{run_id}-{idx}", voices[w], tokens)
-                records.append(rec)
-                in_flight += 1
-                peak = max(peak, in_flight)
-                try:
-                    await drive_stream(client, voices[w], tokens, workload, rec, stream_timeout)
-                finally:
-                    in_flight -= 1
-                progress.update(rec)
-
-        t0 = time.perf_counter()
-        timed_out = False
-        try:
-            await asyncio.wait_for(
-                asyncio.gather(*(worker(w) for w in range(concurrency))), run_timeout
-            )
-        except asyncio.TimeoutError:
-            timed_out = True
-        window = time.perf_counter() - t0
-    progress.close()
-    return LoadResult(records, window, t0, warm, peak, timed_out)
-
-
-async def open_loop(
-    target: str,
-    workload: WorkloadConfig,
-    rate: float,
-    duration: float,
-    warmup_streams: int,
-    stream_timeout: float | None,
-    drain_timeout: float,
-    progress: Progress,
-    run_id: str,
-) -> LoadResult:
-    """Poisson arrivals at `rate` streams/s for `duration` s, each stream with its own voice;
-    arrivals never wait for completions (the load does not back off when the stack is slow).
-    The window runs from the first arrival to the last completion."""
-    arrivals = poisson_arrivals(workload.seed, rate, duration)
-    voices = [
-        make_bench_voice(workload.seed, i, workload.prompt_tokens) for i in range(len(arrivals))
-    ]
-    token_lists = [
-        make_tokens(workload.seed, i, workload.utterance_tokens) for i in range(len(arrivals))
-    ]
-    records: list[StreamRecord] = []
-    tasks: list[asyncio.Task] = []
-    in_flight = 0
-    peak = 0
-    async with AsyncClient(target) as client:
-        spare = [make_bench_voice(workload.seed, 0, workload.prompt_tokens)]
-        warm = await _warmup(
-            client, workload, voices or spare, warmup_streams, stream_timeout, run_id
-        )
-
-        async def one(i: int) -> None:
-            nonlocal in_flight, peak
-            rec = new_record(f"{run_id}-{i}", voices[i], token_lists[i])
+    async def worker(w: int) -> None:
+        for k in range(k_per):
+            idx = w * k_per + k
+            tokens = make_tokens(plan.workload.seed, idx, plan.workload.utterance_tokens)
+            rec = new_record(f"{plan.run_id}-{idx}", voices[w], tokens)
             records.append(rec)
-            in_flight += 1
-            peak = max(peak, in_flight)
-            try:
-                await drive_stream(client, voices[i], token_lists[i], workload, rec, stream_timeout)
-            finally:
-                in_flight -= 1
-                progress.update(rec)
+            client = _route(plan, clients, k * c + w, rec)
+            await drive_stream(client, voices[w], tokens, plan.workload, rec, plan.stream_timeout_s)
+            on_done(rec)
 
-        t0 = time.perf_counter()
-        for i, at in enumerate(arrivals):
-            delay = t0 + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(one(i)))
-        timed_out = False
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=drain_timeout)
-            if pending:
-                timed_out = True
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-        first = t0 + (float(arrivals[0]) if len(arrivals) else 0.0)
-        ends = [r.arrivals[-1] for r in records if r.arrivals]
-        window = (max(ends) if ends else time.perf_counter()) - first
+    workers = range(part, c, plan.procs)
+    voices = {w: plan.voice(w) for w in workers}
+    t0 = await start()
+    left = None if plan.timeout_s is None else t0 + plan.timeout_s - time.perf_counter()
+    try:
+        await asyncio.wait_for(
+            asyncio.gather(*(worker(w) for w in workers)), None if left is None else max(0.0, left)
+        )
+    except asyncio.TimeoutError:
+        return t0, True
+    return t0, False
+
+
+async def _open(plan, clients, part, start, on_done, records) -> tuple[float, bool]:
+    """(the start, whether streams were still running at the end of the drain)"""
+    arrivals = plan.arrivals()
+    mine = np.flatnonzero(plan.owners(len(arrivals)) == part)
+    inputs = {
+        i: (plan.voice(i), make_tokens(plan.workload.seed, i, plan.workload.utterance_tokens))
+        for i in mine
+    }
+
+    async def one(i: int) -> None:
+        voice, tokens = inputs[i]
+        rec = new_record(f"{plan.run_id}-{i}", voice, tokens)
+        records.append(rec)
+        client = _route(plan, clients, i, rec)
+        try:
+            await drive_stream(client, voice, tokens, plan.workload, rec, plan.stream_timeout_s)
+        finally:
+            on_done(rec)
+
+    t0 = await start()
+    tasks = []
+    for i in mine:
+        await _sleep_until(t0 + float(arrivals[i]))
+        tasks.append(asyncio.ensure_future(one(int(i))))
+    if not tasks:
+        return t0, False
+    # the drain counts from the run's last arrival, whichever process has it
+    last = t0 + (float(arrivals[-1]) if len(arrivals) else 0.0)
+    drain = None if plan.timeout_s is None else max(time.perf_counter(), last) + plan.timeout_s
+    _, pending = await asyncio.wait(
+        tasks, timeout=None if drain is None else max(0.0, drain - time.perf_counter())
+    )
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return t0, bool(pending)
+
+
+def _route(plan: LoadPlan, clients: list[AsyncClient], n: int, rec: StreamRecord) -> AsyncClient:
+    """The n-th stream's gateway, round robin; the record keeps its address."""
+    j = n % len(clients)
+    rec.target = plan.targets[j]
+    return clients[j]
+
+
+async def _sleep_until(t: float) -> None:
+    delay = t - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+async def _drive_part(
+    plan: LoadPlan,
+    part: int,
+    start: Callable[[], Awaitable[float]],
+    on_done: Callable[[StreamRecord], None],
+) -> _Part:
+    """Process `part`'s share of the run: its warm-up streams, then (from the instant `start()`
+    returns, once its inputs are made) its measured streams, over one channel per gateway."""
+    records: list[StreamRecord] = []
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(AsyncClient(t)) for t in plan.targets]
+        num_voices = plan.concurrency if plan.kind == "closed" else len(plan.arrivals())
+        warm = await _warmup(plan, clients, part, num_voices)
+        run = _closed if plan.kind == "closed" else _open
+        t0, timed_out = await run(plan, clients, part, start, on_done, records)
+        end = time.perf_counter()
+    return _Part(records, warm, t0, end, timed_out)
+
+
+def peak_in_flight(records: list[StreamRecord]) -> int:
+    """The most streams open at once (each from `opened` to `closed`)."""
+    events = sorted(
+        [(r.opened, 1) for r in records if r.opened] + [(r.closed, -1) for r in records if r.closed]
+    )  # at a tie the close (-1) sorts first
+    peak = now = 0
+    for _, step in events:
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
+def _merge(plan: LoadPlan, parts: list[_Part]) -> LoadResult:
+    t0 = parts[0].t0
+    records = [r for part in parts for r in part.records]
+    if len(parts) > 1:
+        records.sort(key=lambda r: r.opened)  # the order one process would have opened them
+    warm: dict[str, int] = {}
+    for part in parts:
+        for status, n in part.warmup_errors.items():
+            warm[status] = warm.get(status, 0) + n
+    end = max(part.end for part in parts)
+    timed_out = any(part.timed_out for part in parts)
+    peak = peak_in_flight(records)
+    if plan.kind == "closed":  # the window: the workers' start to the last completion
+        return LoadResult(records, end - t0, t0, warm, peak, timed_out, len(parts))
+    # open loop: the first arrival to the last completion
+    arrivals = plan.arrivals()
+    first = t0 + (float(arrivals[0]) if len(arrivals) else 0.0)
+    ends = [r.arrivals[-1] for r in records if r.arrivals]
+    window = (max(ends) if ends else end) - first
+    return LoadResult(records, window, first, warm, peak, timed_out, len(parts))
+
+
+class LoadgenError(RuntimeError):
+    """A load-generator process failed (not a stream: the process itself)."""
+
+
+START_LEAD_S = 0.05  # the shared start is this far after the go, so every process sees it first
+
+
+def run_load(plan: LoadPlan, progress: Progress) -> LoadResult:
+    """Run `plan` (blocking): in this process, or with `plan.procs` > 1 in that many
+    load-generator processes started for the run (their warm-ups first, then one shared start)."""
+    if plan.kind == "closed" and plan.procs > plan.concurrency:
+        plan = replace(plan, procs=max(1, plan.concurrency))  # a process per worker at most
+    if plan.procs == 1:
+
+        async def now() -> float:
+            return time.perf_counter()
+
+        parts = [asyncio.run(_drive_part(plan, 0, now, progress.update))]
+    else:
+        parts = _run_procs(plan, progress)
     progress.close()
-    return LoadResult(records, window, first, warm, peak, timed_out)
+    return _merge(plan, parts)
+
+
+def _run_procs(plan: LoadPlan, progress: Progress) -> list[_Part]:
+    # spawn, not fork: this process may hold gRPC channels and threads, which a fork breaks
+    ctx = mp.get_context("spawn")
+    messages = ctx.Queue()
+    go = ctx.Event()
+    start = ctx.Value("d", 0.0)
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(plan, p, messages, go, start, os.getpid()),
+            name=f"loadgen-{p}",
+            daemon=True,
+        )
+        for p in range(plan.procs)
+    ]
+    parts: dict[int, _Part] = {}
+    ready: set[int] = set()
+    finished = False
+    try:
+        for proc in procs:
+            proc.start()
+        suspects: set[int] = set()  # exited without a result at the last empty wait
+        while len(parts) < len(procs):
+            try:
+                msg = messages.get(timeout=1.0)
+            except queue.Empty:
+                dead = {p for p, proc in enumerate(procs) if not proc.is_alive()} - set(parts)
+                if dead & suspects:  # dead for two waits: its result is not in the queue
+                    p = min(dead & suspects)
+                    raise LoadgenError(
+                        f"load-generator process {p} exited with {procs[p].exitcode} "
+                        "without its streams' records"
+                    ) from None
+                suspects = dead
+                continue
+            kind, p, *rest = msg
+            if kind == "ready":
+                ready.add(p)
+                if len(ready) == len(procs):  # every warm-up done: one start for all
+                    start.value = time.perf_counter() + START_LEAD_S
+                    go.set()
+            elif kind == "done":
+                progress.count(*rest)
+            elif kind == "part":
+                parts[p] = rest[0]
+            else:
+                raise LoadgenError(f"load-generator process {p} failed:\n{rest[0]}")
+        finished = True
+    finally:
+        for proc in procs:
+            if proc.pid is None:
+                continue  # never started
+            if not finished:  # an error, Ctrl-C or SIGTERM here: the others' streams go too
+                proc.terminate()
+            proc.join(timeout=5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5.0)
+    return [parts[p] for p in range(len(procs))]
+
+
+def _child(plan: LoadPlan, part: int, messages, go, start, parent: int) -> None:
+    """A load-generator process: its warm-up, "ready", the shared start, its streams, then its
+    records back to the parent (a stream's progress as it ends)."""
+
+    async def wait_for_start() -> float:
+        messages.put(("ready", part))
+        while not await asyncio.to_thread(go.wait, 1.0):
+            if os.getppid() != parent:  # the parent is gone: nobody will say go
+                raise LoadgenError("parent process exited")
+        await _sleep_until(start.value)
+        return start.value
+
+    def done(rec: StreamRecord) -> None:
+        messages.put(("done", part, rec.ok, rec.audio_seconds))
+
+    try:
+        messages.put(("part", part, asyncio.run(_drive_part(plan, part, wait_for_start, done))))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        messages.put(("error", part, traceback.format_exc()))

@@ -2,7 +2,8 @@
 
 Pure functions over plain data (no gRPC, no clock), so the smoke test and the unit tests can
 check them on hand-made records. Every time is `time.perf_counter()` seconds in the load
-generator's process; the per-chunk `timing` fields are the services' own milliseconds.
+generator's processes (CLOCK_MONOTONIC on Linux: one clock for all of them, so records made by
+several processes compare); the per-chunk `timing` fields are the services' own milliseconds.
 
 Definitions (docs/BENCHMARKS.md explains them at more length):
   first-chunk latency   first audio arrival - the moment the first chunk's tokens (first hop +
@@ -54,6 +55,7 @@ class StreamRecord:
     closed: float = 0.0  # the stream ended (last chunk, or its error) as the client saw it
     status: str = "OK"  # a grpc.StatusCode name, or CLIENT_<exception> for a load-generator error
     detail: str = ""
+    target: str = ""  # the gateway address the stream went to
 
     # -- derived ----------------------------------------------------------------------------
     def ready_at(self, seq: int) -> float:
@@ -270,6 +272,8 @@ def stream_summary(rec: StreamRecord, t0: float) -> dict:
         "chunks": len(rec.seqs),
         "audio_s": rec.audio_seconds,
     }
+    if rec.target:
+        out["target"] = rec.target
     if rec.detail:
         out["detail"] = rec.detail[:300]
     if rec.closed:

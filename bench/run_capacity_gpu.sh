@@ -11,6 +11,13 @@
 # capacity through a gateway with admission control on. fp32, if time is left: the capacity
 # search with tokens all at once only.
 #
+# GATEWAYS=N starts N gateway processes in front of the one flow and vocoder (a deployment runs
+# several behind a load balancer; streams go round robin); CLIENT_PROCS=K drives the load from K
+# processes (a client population is not one Python event loop). Both default to 1, the setup
+# of every run before them. The overload run keeps one admission gateway (admission is per
+# gateway process), e.g.
+#   GATEWAYS=4 CLIENT_PROCS=4 SKIP_FP32=1 BENCH_SECONDS=540 bash bench/run_capacity_gpu.sh
+#
 # Needs python3 with torch (CUDA), numpy, grpcio, grpcio-health-checking, grpcio-reflection,
 # protobuf, prometheus-client; matplotlib for the plots. Missing gRPC packages are installed
 # from carried wheels in .whl/ when that folder exists (see the device README).
@@ -34,6 +41,8 @@ DURATION=${DURATION:-10}  # Poisson window per probe, s (grows to expect MIN_STR
 MIN_STREAMS=${MIN_STREAMS:-40}
 CLOSED=${CLOSED:-64}
 OVERLOAD_S=${OVERLOAD_S:-20}
+GATEWAYS=${GATEWAYS:-1}
+CLIENT_PROCS=${CLIENT_PROCS:-1}
 # BF16_ARGS: extra flags for the bf16 search (e.g. --closed-baseline false --vocoder-arg=...)
 # the gateway's --start-buffer-ms: held first audio of streams whose input is open (paced runs)
 START_BUFFER_MS=${START_BUFFER_MS:-150}
@@ -49,6 +58,7 @@ rm -rf "$RAW" && mkdir -p "$RAW" "$DEST"
 common=(--device "$DEVICE" --preset "$PRESET" --utterance-tokens "$UTT_TOKENS"
   --duration "$DURATION" --min-streams "$MIN_STREAMS" --warmup-streams 4
   --drain-timeout 20 --startup-timeout 240 --quiet
+  --gateways "$GATEWAYS" --client-procs "$CLIENT_PROCS"
   --gateway-arg="--start-buffer-ms=$START_BUFFER_MS")
 
 # bf16 gets ~72 % of the time (its budget includes starting the stack); fp32 the rest.

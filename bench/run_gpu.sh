@@ -4,6 +4,11 @@
 #
 #   bash bench/run_gpu.sh                   # from the repo root; about 8-9 minutes at most
 #   BENCH_SECONDS=300 bash bench/run_gpu.sh # a shorter budget: fewer runs, the rest skipped
+#   GATEWAYS=4 CLIENT_PROCS=4 bash bench/run_gpu.sh  # 4 gateways per stack, load from 4 processes
+#
+# GATEWAYS=N: gateway processes per stack in front of the same flow and vocoder (a deployment
+# runs several behind a load balancer; streams go round robin); CLIENT_PROCS=K: load-generator
+# processes (a client population is not one Python event loop). Both default to 1.
 #
 # Needs python3 with torch (CUDA), numpy, grpcio, grpcio-health-checking, grpcio-reflection,
 # protobuf, prometheus-client; matplotlib for the plots. Missing gRPC packages are installed
@@ -36,7 +41,8 @@ $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_av
 
 rm -rf "$RAW" && mkdir -p "$RAW" "$DEST"
 # Progress goes to stderr (this log); each sweep's own table goes to $RAW/<dtype>.stdout.
-common=(--device "$DEVICE" --preset "$PRESET" --warmup-streams 4 --startup-timeout 240)
+common=(--device "$DEVICE" --preset "$PRESET" --warmup-streams 4 --startup-timeout 240
+  --gateways "${GATEWAYS:-1}" --client-procs "${CLIENT_PROCS:-1}")
 
 # bf16 first: the headline targets (xRT at 64 streams, first chunk alone and at 16 streams,
 # underruns at 32 paced streams, on/off at 64). Batching off only at 1, 16 and 64 streams.

@@ -5,6 +5,10 @@ side by side: one with batching on, one with it off (`--max-batch-size 1` for th
 `--max-batch-sessions 1` for the vocoder, the same code path). Both stay up for the whole sweep
 and the sweep alternates between them, so the two modes see the same machine state; an idle
 stack costs GPU memory, not compute.
+
+`gateways` > 1 starts that many gateway processes in front of the same flow and vocoder replicas,
+as a deployment runs several behind a load balancer (the gateway keeps no state across streams);
+the load generator spreads its streams over `Stack.targets()` round robin.
 """
 
 from __future__ import annotations
@@ -44,6 +48,15 @@ class StackConfig:
     # robin and pins each stream's vocoder session by rendezvous hashing, as in production.
     flow_replicas: int = 1
     vocoder_replicas: int = 1
+    # Gateway processes in front of those replicas, each with the same flags; the load generator
+    # spreads streams over them (a deployment's load balancer). One gateway is one Python
+    # event loop: it serialises the CPU work of every stream it carries.
+    gateways: int = 1
+
+    def __post_init__(self):
+        for name in ("flow_replicas", "vocoder_replicas", "gateways"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: {getattr(self, name)}, want >= 1")
 
     @property
     def label(self) -> str:
@@ -71,20 +84,37 @@ class Stack:
             for module, n in (
                 ("flow_service", config.flow_replicas),
                 ("vocoder_service", config.vocoder_replicas),
-                ("gateway", 1),
             )
-            for name in [module] + [f"{module}.{i}" for i in range(1, n)]
+            for name in replica_names(module, n)
         }
+        # gateway group -> its processes' names ("gateway": the stack's own gateways; subclasses
+        # add groups with other flags in front of the same services, e.g. bench capacity's)
+        self.gateway_groups: dict[str, list[str]] = {}
+        self.add_gateways("gateway", config.gateways)
         self.procs: dict[str, subprocess.Popen] = {}  # process name -> process
         self._logs: list = []
 
+    def add_gateways(self, group: str, n: int) -> list[str]:
+        """Name (and give ports to) `n` more gateway processes; `group` starts with "gateway"."""
+        if _module(group) != "gateway" or group in self.gateway_groups:
+            raise ValueError(f"gateway group {group!r}: taken, or not named gateway[.NAME]")
+        names = replica_names(group, n)
+        self.ports.update({name: free_port() for name in names})
+        self.gateway_groups[group] = names
+        return names
+
+    def targets(self, group: str = "gateway") -> list[str]:
+        """The addresses of a gateway group, in order (the load generator's round robin)."""
+        return [f"127.0.0.1:{self.ports[name]}" for name in self.gateway_groups[group]]
+
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.ports['gateway']}"
+        """The first gateway (all there is with `gateways` = 1)."""
+        return self.targets()[0]
 
     @property
     def gpu_pids(self) -> list[int]:
-        return [p.pid for m, p in self.procs.items() if m != "gateway"]
+        return [p.pid for m, p in self.procs.items() if _module(m) != "gateway"]
 
     def commands(self) -> dict[str, list[str]]:
         c = self.config
@@ -199,6 +229,11 @@ class Stack:
 
 def _module(name: str) -> str:
     return name.split(".", 1)[0]
+
+
+def replica_names(base: str, n: int) -> list[str]:
+    """`base`, then `base.1` ... `base.{n-1}`: the process names of n replicas."""
+    return [base] + [f"{base}.{i}" for i in range(1, n)]
 
 
 def _reap(proc: subprocess.Popen) -> None:

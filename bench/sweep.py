@@ -9,7 +9,6 @@ streams: stream i of a level has the same voice and tokens whatever the mode.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import math
 import sys
@@ -19,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.gpu import GpuMemorySampler
-from bench.loadgen import LoadResult, Progress, closed_loop, open_loop
+from bench.loadgen import LoadPlan, Progress, run_load
 from bench.metrics import stream_summary, summarize
 from bench.report import SCHEMA, write_results, write_run
 from bench.stack import Stack
@@ -58,6 +57,7 @@ class SweepConfig:
     run_timeout_s: float = 600.0  # closed loop: streams still running then are cancelled
     drain_timeout_s: float = 120.0  # open loop: wait this long after the last arrival
     time_budget_s: float = 0.0  # skip runs whose estimate would overrun it; 0: no budget
+    client_procs: int = 1  # load-generator processes, each with its share of every run's streams
 
     def __post_init__(self):
         if not self.labels:
@@ -76,6 +76,8 @@ class SweepConfig:
             raise InvalidConfig("duration", f"{self.duration_s}, want > 0 s")
         if self.warmup_streams < 0:
             raise InvalidConfig("warmup_streams", f"{self.warmup_streams}, want >= 0")
+        if self.client_procs < 1:
+            raise InvalidConfig("client_procs", f"{self.client_procs}, want >= 1")
 
     def utterances_at(self, concurrency: int) -> int:
         k = self.utterances_per_stream
@@ -140,10 +142,15 @@ def estimate_s(spec: RunSpec, workload: WorkloadConfig, cfg: SweepConfig, done: 
 
 @dataclass
 class Target:
-    """Where a label's load goes: a stack we started, or an external gateway."""
+    """Where a label's load goes: the gateways of a stack we started, or external gateways;
+    the streams of a run are spread over `addresses` round robin."""
 
-    address: str
+    addresses: list[str]
     stack: Stack | None = None
+
+    @property
+    def address(self) -> str:
+        return ",".join(self.addresses)
 
 
 class Sweep:
@@ -222,36 +229,26 @@ class Sweep:
             total = c * spec.utterances_per_stream
             progress = Progress(f"    {c:>4} x{spec.utterances_per_stream}", total, not self.quiet)
             warmup = min(cfg.warmup_streams, c)
-            result: LoadResult = asyncio.run(
-                closed_loop(
-                    target.address,
-                    workload,
-                    c,
-                    spec.utterances_per_stream,
-                    warmup,
-                    cfg.stream_timeout_s,
-                    run_timeout_s,
-                    progress,
-                    run_id,
-                )
-            )
+            timeout = run_timeout_s
         else:
             expected = max(1, math.ceil(spec.level * spec.duration_s))
             progress = Progress(f"    {spec.level:g}/s", expected, not self.quiet)
             warmup = cfg.warmup_streams
-            result = asyncio.run(
-                open_loop(
-                    target.address,
-                    workload,
-                    spec.level,
-                    spec.duration_s,
-                    warmup,
-                    cfg.stream_timeout_s,
-                    min(cfg.drain_timeout_s, run_timeout_s),
-                    progress,
-                    run_id,
-                )
-            )
+            timeout = min(cfg.drain_timeout_s, run_timeout_s)
+        plan = LoadPlan(
+            spec.kind,
+            tuple(target.addresses),
+            workload,
+            spec.level,
+            run_id,
+            warmup_streams=warmup,
+            stream_timeout_s=cfg.stream_timeout_s,
+            timeout_s=timeout,
+            utterances_per_stream=spec.utterances_per_stream,
+            duration_s=spec.duration_s,
+            procs=cfg.client_procs,
+        )
+        result = run_load(plan, progress)
         pids = target.stack.gpu_pids if target.stack is not None else []
         memory = self.sampler.peak(result.t0, result.t0 + result.window_s, pids)
         return {
@@ -267,6 +264,8 @@ class Sweep:
             "offered_xrt": spec.level * workload.utterance_seconds if spec.kind == "open" else None,
             **self.meta,
             "target": target.address,
+            "gateways": len(target.addresses),
+            "client_procs": result.procs,  # at most one per closed-loop worker
             "started_at": started_at,
             "workload": asdict(workload),
             "warmup": {"streams": warmup, "errors": result.warmup_errors},

@@ -4,6 +4,7 @@ that the harness works and its figures agree with each other and with the tokens
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -291,9 +292,10 @@ def test_smoke_writes_results_and_ratios(smoke_runs):
 
 
 def test_replicated_stack_spreads_flow_calls_over_every_replica(tmp_path):
-    """--flow-replicas/--vocoder-replicas: one gateway over several processes of each service
+    """--flow-replicas/--vocoder-replicas: gateways over several processes of each service
     (the one-GPU stand-in for the multi-GPU scaling run). Every flow replica computes batches
-    and every stream still gets all of its audio."""
+    and every stream still gets all of its audio. With --gateways 2 --client-procs 2 the
+    streams come from two load-generator processes and go through both gateways."""
     from bench.__main__ import build_parser, run_benchmark
 
     argv = [
@@ -309,6 +311,8 @@ def test_replicated_stack_spreads_flow_calls_over_every_replica(tmp_path):
         "--vocoder-replicas=2",
         "--flow-arg=--log-batches=true",
         "--gateway-arg=--flow-affinity=call",  # every replica gets calls, whatever the hash
+        "--gateways=2",
+        "--client-procs=2",
         "--startup-timeout=180",
         f"--out-dir={tmp_path}",
         "--quiet",
@@ -318,11 +322,17 @@ def test_replicated_stack_spreads_flow_calls_over_every_replica(tmp_path):
     assert run["flow_replicas"] == 2 and run["vocoder_replicas"] == 2
     assert run["metrics"]["errors"] == {} and run["metrics"]["num_ok"] == 4
     assert consistency_problems(run) == []
+    assert run["gateways"] == 2 and run["client_procs"] == 2
+    gateways = run["target"].split(",")
+    assert len(set(gateways)) == 2
+    assert sorted(s["target"] for s in run["streams"]) == sorted(gateways * 2)
+    assert all(s["start_s"] >= 0 for s in run["streams"])  # nobody opened before the start
     logs = sorted((tmp_path / "logs").glob("batching-on-flow_service*.log"))
     assert len(logs) == 2
     for log in logs:
         assert " reqs, T " in log.read_text(), f"{log.name} computed no batch"
-    gateway_cmd = (tmp_path / "logs" / "batching-on-gateway.log").read_text().splitlines()[0]
+    assert len(list((tmp_path / "logs").glob("batching-on-gateway*.log"))) == 2
+    gateway_cmd = (tmp_path / "logs" / "batching-on-gateway.1.log").read_text().splitlines()[0]
     flow_addrs = gateway_cmd.split("--flow-addr ")[1].split()[0].split(",")
     vocoder_addrs = gateway_cmd.split("--vocoder-addr ")[1].split()[0].split(",")
     assert len(flow_addrs) == len(vocoder_addrs) == 2
@@ -398,3 +408,134 @@ def test_gateway_overhead_bench_runs_streams_through_a_real_gateway():
     (rnd,) = main(["--streams", "3", "--tokens", "60", "--rounds", "1"])
     assert len(rnd["first_ms"]) == 3 and all(ms > 0 for ms in rnd["first_ms"])
     assert rnd["wall_ms"] >= max(rnd["first_ms"])
+
+
+# -- several gateways, several load-generator processes ---------------------------------------
+def test_stack_starts_gateway_groups_with_their_own_flags(tmp_path):
+    """--gateways N: N gateway processes with the same flags in front of the same services;
+    bench capacity's admission gateway stays single, its no-deadline gateways match N."""
+    from bench.capacity import CapacityStack
+    from bench.stack import Stack, StackConfig
+    from gateway.config import build_parser as gateway_parser
+
+    plain = Stack(StackConfig(gateways=3, flow_replicas=2), tmp_path)
+    assert len(set(plain.targets())) == 3 and plain.target == plain.targets()[0]
+    cmds = plain.commands()
+    assert sorted(n for n in cmds if n.startswith("gateway")) == [
+        "gateway",
+        "gateway.1",
+        "gateway.2",
+    ]
+    assert len({tuple(cmds[n][5:]) for n in plain.gateway_groups["gateway"]}) == 1  # same flags
+    with pytest.raises(ValueError, match="gateways"):
+        StackConfig(gateways=0)
+
+    cap = CapacityStack(StackConfig(gateways=2), tmp_path, ("--admission-wait-ms=5",))
+    assert len(set(cap.ports.values())) == len(cap.ports) == 2 + 2 + 1 + 2
+    assert len(set(cap.metrics_ports.values())) == len(cap.ports)
+    cmds = cap.commands()
+    groups = {
+        g: [gateway_parser().parse_args(cmds[n][3:]) for n in names]
+        for g, names in cap.gateway_groups.items()
+    }
+    assert [len(v) for v in groups.values()] == [2, 1, 2]
+    assert [(f.admission, f.deadlines) for f in groups["gateway"]] == [(False, True)] * 2
+    (admit,) = groups[cap.ADMIT]
+    assert admit.admission and admit.admission_wait_ms == 5
+    assert [(f.admission, f.deadlines) for f in groups[cap.NO_DEADLINES]] == [(False, False)] * 2
+    assert {f.flow_addr for fs in groups.values() for f in fs} == {
+        f"127.0.0.1:{cap.ports['flow_service']}"
+    }
+
+
+async def test_load_spreads_over_gateways_and_merges_client_processes():
+    """Two gateways in front of one flow and one vocoder (in process). The same closed-loop
+    and open-loop plans run from one process and from two: every stream is there once, goes
+    to the gateway its index says (whatever the process count), and the two processes' records
+    share the parent's clock: none opens before the shared start (open loop: before its
+    arrival time), none after the parent saw the run end."""
+    from _stack import gateway_config, start_stack
+
+    from bench.loadgen import LoadPlan, Progress, peak_in_flight, run_load
+    from flow_service.model import load_flow
+    from gateway.service import GatewayService
+    from token2wav.service import start
+    from vocoder_service.model import load_hift
+
+    stack = await start_stack((load_flow(None, preset="small"), load_hift(None, preset="small")))
+    routes = [
+        "--flow-addr",
+        f"127.0.0.1:{stack.flow_ports[0]}",
+        "--vocoder-addr",
+        f"127.0.0.1:{stack.vocoder_ports[0]}",
+    ]
+    second = await start(GatewayService(gateway_config(*routes)))
+    targets = (f"127.0.0.1:{stack.gateway.port}", f"127.0.0.1:{second.port}")
+    workload = WorkloadConfig(utterance_tokens=30, prompt_tokens=25)
+    try:
+        for kind, level in (("closed", 3), ("open", 4.0)):
+            results = {}
+            for procs in (1, 2):
+                plan = LoadPlan(
+                    kind,
+                    targets,
+                    workload,
+                    level,
+                    f"{kind}{procs}",
+                    warmup_streams=1,
+                    stream_timeout_s=120,
+                    timeout_s=120,
+                    utterances_per_stream=2,
+                    duration_s=1.0,
+                    procs=procs,
+                )
+                progress = Progress("", 0, enabled=False)
+                before = time.perf_counter()
+                res = await asyncio.to_thread(run_load, plan, progress)
+                after = time.perf_counter()
+                results[procs] = res
+                assert res.warmup_errors == {} and not res.timed_out and res.procs == procs
+                assert progress.done == len(res.records) and progress.failed == 0
+                for r in res.records:
+                    assert r.ok and r.problems() == [], (r.stream_id, r.status, r.detail)
+                    assert before < res.t0 <= r.opened <= r.arrivals[0] <= r.closed < after
+                assert 1 <= res.max_in_flight == peak_in_flight(res.records)
+                assert res.t0 + res.window_s <= after
+                if kind == "open":
+                    arrivals = plan.arrivals()
+                    owners = set(plan.owners(len(arrivals)))
+                    assert len(arrivals) >= 2 and owners == set(range(procs))
+                    for r in res.records:
+                        i = int(r.stream_id.rsplit("-", 1)[1])
+                        start = res.t0 - arrivals[0]  # t0 of an open loop: the first arrival
+                        assert r.opened >= start + arrivals[i]
+            one, two = (
+                {r.stream_id.split("-", 1)[1]: (r.target, r.num_tokens) for r in results[p].records}
+                for p in (1, 2)
+            )
+            assert one == two  # the same streams, to the same gateways
+            assert len(one) == (3 * 2 if kind == "closed" else len(plan.arrivals()))
+            assert {t for t, _ in one.values()} == set(targets)
+            if kind == "closed":  # utterance k of worker w: stream 2w + k, gateway (3k + w) % 2
+                for w in range(3):
+                    for k in range(2):
+                        assert one[str(2 * w + k)][0] == targets[(3 * k + w) % 2]
+    finally:
+        await second.drain()
+        await stack.stop()
+
+
+def test_a_failing_load_process_fails_the_run_and_leaves_no_process():
+    """A load-generator process that fails (here: a plan it cannot run) ends the run with its
+    traceback, the others are stopped, and nothing waits for a start that never comes."""
+    import multiprocessing
+
+    from bench.loadgen import LoadgenError, LoadPlan, Progress, run_load
+
+    plan = LoadPlan(
+        "closed", ("127.0.0.1:1",), WorkloadConfig(utterance_tokens=30), 2, "x", procs=2
+    )
+    object.__setattr__(plan, "utterances_per_stream", "two")  # frozen; the processes get a copy
+    with pytest.raises(LoadgenError, match="(?s)load-generator process . failed.*TypeError"):
+        run_load(plan, Progress("", 0, enabled=False))
+    assert multiprocessing.active_children() == []

@@ -109,6 +109,29 @@ def test_back_to_idle_and_report():
             "command": "python -m bench capacity",
             "started_at": "now",
             "workload": "w",
+            "gateways": 4,
+            "client_procs": 1,
+            "closed": [
+                {
+                    "gateway": "deadlines",
+                    "concurrency": 64,
+                    "streams": 64,
+                    "xrt": 130.0,
+                    "first_p50": 500.0,
+                    "first_p95": 700.0,
+                    "stack_streams": 3,
+                    "excess_p95": 20.0,
+                    "errors": {},
+                    "first_stages": {
+                        "flow_queue_ms": 103.0,
+                        "flow_compute_ms": 201.0,
+                        "vocoder_queue_ms": 3.0,
+                        "vocoder_compute_ms": 124.0,
+                        "gateway_ms": 101.0,
+                        "wire_ms": 80.0,
+                    },
+                }
+            ],
             "capacity": {
                 "all at once": {
                     "capacity_rate": 2.0,
@@ -120,6 +143,8 @@ def test_back_to_idle_and_report():
         }
     )
     assert "2.00 streams/s = 20 audio s/s" in text and "10/10 (100.0 %)" in text
+    assert "4 gateways" in text and "load from 1 client process." in text
+    assert "| 500 / 700 | 3 of 64 | 20 | - | 103 + 201, 3 + 124, 101, 80 |" in text
 
 
 def test_zero_compute_capacity_is_the_highest_probe_passing_without_floors():
