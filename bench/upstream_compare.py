@@ -53,8 +53,18 @@ from pathlib import Path
 
 import torch
 
-from flow_service.model import FlowModel, FlowRequest, Voice, init_random_, load_flow, noise_buffer
+from flow_service.model import (
+    DiTKernels,
+    FlowModel,
+    FlowRequest,
+    PrefixCache,
+    Voice,
+    init_random_,
+    load_flow,
+    noise_buffer,
+)
 from flow_service.model.config import FLOW_PRESETS, DiTConfig, FlowConfig
+from flow_service.runner import FlowRunner
 from gateway.schedule import ChunkPlanner
 from vocoder_service.model import HiFTGenerator, hift_noise_buffers, load_hift
 
@@ -353,9 +363,12 @@ def upstream_stream(up, flow, hift, x: dict, device: str, fp16: bool):
     return mel, torch.cat([s[0].float().cpu() for s in audio]), calls
 
 
-def ours_stream(flow: FlowModel, hifts: dict[str, HiFTGenerator], x: dict):
+def ours_stream(flow: FlowModel, hifts: dict[str, HiFTGenerator], x: dict, generate=None):
     """Our model-level streaming path: the gateway's planner, one flow call per chunk, one HiFT
-    session per vocoder. Returns (mel (80, T), {name: audio}, [(num_tokens, offset, final)])."""
+    session per vocoder. Returns (mel (80, T), {name: audio}, [(num_tokens, offset, final)]).
+    `generate` (default `flow.generate`) runs one call: `served_generate` runs it the way the
+    flow service does."""
+    generate = generate or flow.generate
     voice = Voice(x["prompt_token"], x["prompt_feat"], x["embedding"])
     planner = ChunkPlanner(voice.num_prompt_tokens)
     states = {name: h.new_session() for name, h in hifts.items()}
@@ -363,14 +376,37 @@ def ours_stream(flow: FlowModel, hifts: dict[str, HiFTGenerator], x: dict):
     n = x["tokens"].shape[0]
     while (c := planner.next_call(n, ended=True)) is not None:
         req = FlowRequest(
-            voice, x["tokens"][: c.num_tokens], c.token_offset, c.finalize, c.streaming
+            voice,
+            x["tokens"][: c.num_tokens],
+            c.token_offset,
+            c.finalize,
+            c.streaming,
+            cache_key="stream-0",
         )
-        mel = flow.generate([req])[0]
+        mel = generate([req])[0]
         mels.append(mel)
         for name, h in hifts.items():
             audio[name].append(h.decode_one(states[name], mel, c.finalize).float().cpu())
         calls.append((c.num_tokens, c.token_offset, c.finalize))
     return torch.cat(mels, dim=1), {k: torch.cat(v) for k, v in audio.items()}, calls
+
+
+SERVED_MODES = {
+    # name -> (prefix cache, CUDA graphs): the flow service's two batch paths. A graphed batch
+    # recomputes its prefix; an eager one reads the prefix cache (flow_service/runner.py).
+    "fused norms + prefix cache": (True, False),
+    "fused norms + CUDA graphs": (False, True),
+}
+
+
+def served_generate(flow: FlowModel, mode: str):
+    """`generate` for `ours_stream` through the flow service's runner: the service's kernels
+    (fused norms, compiled on CUDA) and, per SERVED_MODES, its prefix cache or its CUDA
+    graphs. Returns (generate, runner)."""
+    use_cache, graphs = SERVED_MODES[mode]
+    cache = PrefixCache.for_model(flow, 1 << 30) if use_cache else None
+    runner = FlowRunner(flow, prefix_cache=cache, cuda_graphs=graphs)
+    return runner.generate, runner
 
 
 def save_random_weights(tmp: Path, cfg: FlowConfig, hift_preset: str) -> tuple[dict, dict]:
@@ -448,6 +484,41 @@ def run_flow(up, a, rows: list[dict], tmp: Path) -> None:
                     ref_audio,
                 )
             )
+    if a.served:
+        # As the flow service runs it (fused norms on by default on CUDA): fidelity must not
+        # move with the kernels, the cache or the graphs on.
+        for flow_dtype in ("float32", "bfloat16"):
+            ours = load_flow(
+                tmp / "flow.pt",
+                device=d,
+                dtype=getattr(torch, flow_dtype),
+                kernels=DiTKernels(fused_norms=True),
+            )
+            for mode in SERVED_MODES:
+                if SERVED_MODES[mode][1] and not d.startswith("cuda"):
+                    continue  # CUDA graphs need CUDA
+                generate, runner = served_generate(ours, mode)
+                case = f"ours flow {flow_dtype} served ({mode})"
+                t = time.perf_counter()
+                mel, audio, calls = ours_stream(ours, hifts, x, generate)
+                runner.close()
+                cache = runner.prefix_cache
+                hits = f", prefix cache hits {cache.stats['hits']}" if cache is not None else ""
+                print(f"  {case}: {time.perf_counter() - t:.1f} s{hits}", file=sys.stderr)
+                if calls != up_calls:
+                    raise SystemExit(f"chunk schedules differ: ours {calls} vs upstream {up_calls}")
+                rows.append(_row("flow mel", case, "upstream fp32", seconds, mel, ref_mel))
+                wav = audio["hift float32 exact"]
+                rows.append(
+                    _row(
+                        "end to end",
+                        f"{case} + hift float32 exact",
+                        "upstream fp32",
+                        seconds,
+                        wav,
+                        ref_audio,
+                    )
+                )
     if d.startswith("cuda"):
         fp16_mel, fp16_audio, _ = upstream_stream(up, up_flow, up_hift, x, d, fp16=True)
         rows.append(
@@ -518,6 +589,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["default", "on", "off"],
         help="CUDA TF32 for matmuls and cuDNN convs: PyTorch's defaults (cuDNN on, matmul off; "
         "as both stacks run as shipped), or forced on/off for both",
+    )
+    p.add_argument(
+        "--served",
+        action="store_true",
+        help="also run our flow as the flow service does (fused norms; prefix cache, and CUDA "
+        "graphs on CUDA) in fp32 and bf16 against upstream fp32",
     )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: torch's default")
     p.add_argument(
