@@ -244,12 +244,13 @@ def test_failed_capture_falls_back_to_eager(small, monkeypatch, caplog):
     assert "capture failed" in caplog.text
 
 
-def test_runner_warmup_captures_the_streaming_shapes(fake_graphed):
+def test_runner_warmup_captures_every_bucket_shape(fake_graphed, small):
     from vocoder_service.runner import HiFTRunner
 
     buckets = ShapeBuckets(row_sizes=(1, 2), frame_multiple=16, max_frames=256)
     fake_graphed.buckets = fake_graphed.graphed_core.buckets = buckets
-    fake_graphed.graphed_core.max_graphs = 16
+    fake_graphed.graphed_core.max_graphs = buckets.num_graph_shapes
+    assert buckets.num_graph_shapes == 2 * 2 * 16
 
     def calls():
         return {p: GRAPH_CALLS.labels(p)._value.get() for p in ("capture", "replay", "eager")}
@@ -257,16 +258,30 @@ def test_runner_warmup_captures_the_streaming_shapes(fake_graphed):
     before = calls()
     runner = HiFTRunner(fake_graphed, "cpu")
     runner.warmup()
-    # the dummy batch (24 frames -> 32) and, per row bucket, chunks of 50, 100, 200 frames
-    # (decoder windows 43 -> 48, 138 -> 144, 238 -> 240)
-    keys = sorted((k[0][0][0], k[0][0][2] - 4) for k in fake_graphed.graphed_core._graphs)
-    assert keys == [(1, 32), (1, 48), (1, 144), (1, 240), (2, 48), (2, 144), (2, 240)]
-    mels = [make_mel(300, seed=95).numpy(), make_mel(50, seed=96).numpy()]
-    out = runner.execute([runner.new_state()], mels[:1], [True])  # 300 frames: past the buckets
-    assert out.errors == [None] and out.audio[0].shape == (300 * 480,)
-    runner.execute([runner.new_state()], mels[1:], [False])  # a first chunk: held graph
-    after = calls()
-    assert {p: after[p] - before[p] for p in after} == {"capture": 7, "replay": 1, "eager": 1}
+    # every (rows, frames, source frames) the buckets produce, the dummy batch's among them
+    keys = sorted(
+        (k[0][0][0], k[0][0][2] - 4, k[1][0][1]) for k in fake_graphed.graphed_core._graphs
+    )
+    want = sorted((r, t, t + e) for r in (1, 2) for t in range(16, 257, 16) for e in (0, 1))
+    assert keys == want
+    # Serving then captures nothing: the upstream schedule of a 10 s utterance (first, middle
+    # and final chunks; the final one is the shape the old warm-up missed) and odd chunk sizes,
+    # one and two rows at a time, replay held graphs with the same audio as the eager model.
+    mels = [make_mel(520, seed=95 + i) for i in range(2)]
+    schedules = [[50, 100, 200, 150], [37, 1, 150, 112, 200]]
+    ref, _ = run_schedule(small, mels, schedules, [True, False])
+    core = fake_graphed.graphed_core
+    captures, replays, eager = core.captures, core.replays, core.eager
+    assert captures == buckets.num_graph_shapes
+    assert calls()["capture"] - before["capture"] == captures  # the runner counts them
+    got, _ = run_schedule(fake_graphed, mels, schedules, [True, False])
+    for a, b in zip(got, ref):
+        assert max_abs(a, b) <= TOL_FP32
+    assert (core.captures, core.eager) == (captures, eager)
+    assert core.replays - replays == 5
+    out = runner.execute([runner.new_state()], [make_mel(300, seed=97).numpy()], [True])
+    assert out.errors == [None] and out.audio[0].shape == (300 * 480,)  # past the buckets
+    assert core.eager - eager == 1
 
 
 def test_flags_reach_the_config_and_cpu_ignores_them():
@@ -303,7 +318,7 @@ def test_cuda_graphs_equal_eager(dtype):
     for model in (eager_padded, graphed):  # as the service's --cuda-graphs does
         model.fuse_snake(True)
     graphed.set_cuda_graphs(BUCKETS)
-    assert graphed.warmup_graphs() == 3 * len(BUCKETS.row_sizes)  # 50, 100, 200-frame chunks
+    assert graphed.warmup_graphs() == BUCKETS.num_graph_shapes  # every bucket shape
     mels = [make_mel(400, seed=100 + i) for i in range(3)]
     schedules = [upstream_schedule(400), [50, 100, 7, 200, 43], [1] * 30 + [120, 250]]
     finals = [True, True, False]

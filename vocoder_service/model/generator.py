@@ -134,9 +134,10 @@ class HiFTGenerator(nn.Module):
                 parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
         return self
 
-    def set_cuda_graphs(self, buckets: ShapeBuckets | None, max_graphs: int = 256) -> None:
+    def set_cuda_graphs(self, buckets: ShapeBuckets | None, max_graphs: int | None = None) -> None:
         """Replay CUDA graphs for batches padded to `buckets` (graphs.py); None: back to the
-        eager path with no padding. Load and cast the model first; needs a CUDA device."""
+        eager path with no padding. Load and cast the model first; needs a CUDA device.
+        `max_graphs` (LRU) defaults to every shape the buckets produce (`warmup_graphs`)."""
         if buckets is None:
             self.buckets, self.graphed_core = ShapeBuckets(), None
             return
@@ -144,7 +145,11 @@ class HiFTGenerator(nn.Module):
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {self.device}")
         self.buckets = buckets
         self.graphed_core = GraphedCore(
-            self.synthesize_core, self.device, buckets, self.cfg.conv_pre_look_right, max_graphs
+            self.synthesize_core,
+            self.device,
+            buckets,
+            self.cfg.conv_pre_look_right,
+            max_graphs or max(1, buckets.num_graph_shapes),
         )
 
     def fuse_snake(self, on: bool) -> None:
@@ -158,18 +163,32 @@ class HiFTGenerator(nn.Module):
                     if on:  # now, outside any graph capture; kept (same tensor) while the
                         module.inverse_alpha(module.alpha[None, :, None])  # weights stay
 
-    def warmup_graphs(self, chunks: tuple[int, ...] = (50, 100, 200)) -> int:
-        """Capture the graphs of the upstream streaming schedule (a first chunk of 50 frames,
-        then 100 and 200) at every row bucket, so serving does not capture them; returns the
+    def warmup_graphs(self) -> int:
+        """Capture a graph for every shape the buckets produce (`ShapeBuckets.num_graph_shapes`:
+        each row bucket x frame bucket, with the source as long as the window (final chunks)
+        or one frame longer (the others)), so serving never captures: a capture stalls the
+        vocoder 0.1-0.2 s on an H200, and when only the 50/100/200-frame chunks were warmed
+        the final chunks' shapes (a 10 s utterance ends with 150 frames: a 195-frame window)
+        were captured in the middle of a benchmark. Inputs are zeros of the shapes
+        `decode_batch` builds (a graph reads only shapes and addresses from them). Returns the
         number of graphs held. Does nothing without CUDA graphs."""
-        if self.graphed_core is None:
+        core = self.graphed_core
+        if core is None:
             return 0
+        cfg = self.cfg
+        fps, look = cfg.stft_frames_per_frame, cfg.conv_pre_look_right
         for rows in self.buckets.row_sizes:
-            states = [self.new_session() for _ in range(rows)]
-            for n in chunks:
-                mel = torch.full((self.cfg.in_channels, n), -5.0)
-                self.decode_batch(states, [mel] * rows, [False] * rows)
-        return len(self.graphed_core)
+            for t in self.buckets.frame_sizes:
+                for t_f0 in (t, t + 1):
+                    core(
+                        torch.full((rows, cfg.in_channels, t + look), -5.0),
+                        torch.zeros(rows, t_f0, dtype=torch.float64),
+                        torch.zeros(rows, t_f0, cfg.num_harmonics, dtype=torch.float64),
+                        torch.zeros(rows, dtype=torch.long),
+                        torch.full((rows,), fps * t + 1, dtype=torch.long),
+                        torch.full((rows,), SAMPLES_PER_FRAME * t_f0, dtype=torch.long),
+                    )
+        return len(core)
 
     # -- public API -----------------------------------------------------------------------------
 

@@ -72,6 +72,17 @@ class ShapeBuckets:
         padded = -(-t // self.frame_multiple) * self.frame_multiple
         return padded if padded <= self.max_frames else t
 
+    @property
+    def frame_sizes(self) -> tuple[int, ...]:
+        """Every padded frame count the buckets produce."""
+        return tuple(range(self.frame_multiple, self.max_frames + 1, self.frame_multiple))
+
+    @property
+    def num_graph_shapes(self) -> int:
+        """Graph shapes the buckets produce: rows x frames x (source 0 or 1 frame longer:
+        a non-final chunk's source runs one frame past its decoder window, a final one's not)."""
+        return 2 * len(self.row_sizes) * len(self.frame_sizes)
+
     def bucketed(self, rows: int, frames: int) -> bool:
         """Whether a padded batch of this shape is one the buckets produce (graph-worthy)."""
         return (
