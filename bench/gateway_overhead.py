@@ -10,8 +10,9 @@ stand-ins in this process that answer at once: a flow service whose mel is zeros
 shape, and a vocoder that turns every mel frame into 480 zero samples. N streams open together
 (as the closed loop of `python -m bench` does), each with its own inline 3 s voice and all of
 its 250 tokens at once. Prints the client-measured first-chunk latency (tokens sent -> first
-audio) p50/p95/max and the time until every stream ended: on the GPU host the same time sits in
-the "gateway" and "wire" stages of the stage attribution, on top of the models. With
+audio) p50/p95/max, the time until every stream ended and the gateway processes' CPU time per
+stream (user + system, all threads, from /proc; Linux only): on the GPU host the same time sits
+in the "gateway" and "wire" stages of the stage attribution, on top of the models. With
 --gateways N, N gateway processes share the streams (stream i: gateway i mod N), as replicas
 behind a load balancer would; the client and the stand-ins stay one process.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import statistics
 import subprocess
@@ -84,6 +86,17 @@ async def stand_in(servicer, add) -> tuple[grpc.aio.Server, int]:
     return server, port
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` (all its threads) so far; nan without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return math.nan
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is fields[0]
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def one_stream(client: AsyncClient, voice, tokens) -> tuple[float, float]:
     stream = client.stream(voice, audio_format="pcm16")
     sent = time.perf_counter()
@@ -126,6 +139,7 @@ async def main_async(a: argparse.Namespace) -> list[dict]:
                         await asyncio.sleep(0.5)
             rounds = []
             for rnd in range(a.rounds):
+                cpu0 = sum(cpu_seconds(gw.pid) for gw in gws)
                 t0 = time.perf_counter()
                 res = await asyncio.gather(
                     *(
@@ -134,13 +148,14 @@ async def main_async(a: argparse.Namespace) -> list[dict]:
                     )
                 )
                 wall = time.perf_counter() - t0
+                cpu_ms = (sum(cpu_seconds(gw.pid) for gw in gws) - cpu0) * 1e3 / a.streams
                 first = sorted(r[0] * 1e3 for r in res)
                 p95 = first[min(len(first) - 1, int(0.95 * len(first)))]
-                rounds.append({"first_ms": first, "wall_ms": wall * 1e3})
+                rounds.append({"first_ms": first, "wall_ms": wall * 1e3, "gateway_cpu_ms": cpu_ms})
                 print(
                     f"round {rnd}: {a.streams} streams over {len(ports)} gateway(s), first chunk p50 "
                     f"{statistics.median(first):.0f} ms, p95 {p95:.0f} ms, max {first[-1]:.0f} ms; "
-                    f"all ended after {wall * 1e3:.0f} ms",
+                    f"all ended after {wall * 1e3:.0f} ms; gateway CPU {cpu_ms:.1f} ms per stream",
                     flush=True,
                 )
         return rounds

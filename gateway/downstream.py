@@ -118,7 +118,8 @@ class FlowClient:
         due: float = math.inf,
     ) -> FlowOutput:
         """`due`: the chunk's playback deadline (monotonic s), sent as slack from each send."""
-        base = flow_pb2.GenerateRequest(
+        # One request for every attempt: only the voice (id or inline) and the slack change.
+        req = flow_pb2.GenerateRequest(
             request_id=request_id,
             seq=seq,
             tokens=encode(tokens.astype(np.int32)),
@@ -139,9 +140,7 @@ class FlowClient:
             stub = flow_pb2_grpc.FlowStub(self.replicas.channel(addr))
             inline = not self.known.has(addr, voice_id)
             for _ in range(2):  # a NOT_FOUND for the id is answered once with the voice inline
-                req = flow_pb2.GenerateRequest()
-                req.CopyFrom(base)
-                if inline:
+                if inline:  # the voice is a oneof: setting one side clears the other
                     req.inline_voice.CopyFrom(voice.to_proto())
                 else:
                     req.voice_id = voice_id

@@ -68,14 +68,10 @@ class Inbound:
         return self
 
     async def __anext__(self):
-        timeout = self._timeout()
-        try:
-            item = await asyncio.wait_for(self._queue.get(), timeout)
-        except TimeoutError:
-            what = ("a StreamConfig", "tokens", "tokens or EndOfInput")[min(self.num_messages, 2)]
-            raise DeadlineExceeded(
-                f"no {what} from the client for {timeout:g} s; the stream is closed"
-            ) from None
+        if self._queue.empty():
+            item = await self._wait()
+        else:  # read ahead already: no timer (wait_for would make a task for it)
+            item = self._queue.get_nowait()
         if item is _EOF:
             self._queue.put_nowait(_EOF)  # later reads see the end again
             raise StopAsyncIteration
@@ -83,6 +79,16 @@ class Inbound:
             raise item
         self.num_messages += 1
         return item
+
+    async def _wait(self):
+        timeout = self._timeout()
+        try:
+            return await asyncio.wait_for(self._queue.get(), timeout)
+        except TimeoutError:
+            what = ("a StreamConfig", "tokens", "tokens or EndOfInput")[min(self.num_messages, 2)]
+            raise DeadlineExceeded(
+                f"no {what} from the client for {timeout:g} s; the stream is closed"
+            ) from None
 
     async def drain(self) -> None:
         """Read and discard the client's messages until it half-closes (or the drain timeout),

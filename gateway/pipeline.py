@@ -70,8 +70,11 @@ def to_client_audio(audio: common_pb2.Tensor, audio_format: int) -> bytes:
     through as it came (little-endian on both wires), int16 is rounded and clipped."""
     if audio_format == gateway_pb2.AUDIO_FORMAT_FLOAT32:
         return audio.data
-    samples = decode(audio, "audio", shape=(None,))
-    return np.clip(np.round(samples * 32767.0), -32768, 32767).astype("<i2").tobytes()
+    samples = decode(audio, "audio", shape=(None,))  # a fresh copy: scaled in place
+    samples *= 32767.0
+    np.rint(samples, out=samples)  # what np.round does (half to even), without a new array
+    np.clip(samples, -32768, 32767, out=samples)
+    return samples.astype("<i2").tobytes()
 
 
 class StreamPipeline:
@@ -251,12 +254,10 @@ class StreamPipeline:
             chunk = self._flow_calls[seq].result()
             if not await self._ready(self._mels[seq], stop):
                 return
-            msg = vocoder_pb2.VocoderChunk(
-                request_id=session_id,
-                seq=seq,
-                mel=self._mels[seq].result().mel,  # the flow replica's bytes, untouched
-                finalize=chunk.finalize,
-            )
+            msg = vocoder_pb2.VocoderChunk(request_id=session_id, seq=seq, finalize=chunk.finalize)
+            # The flow replica's bytes, untouched. CopyFrom, not mel= in the constructor: that
+            # one serialises and parses the tensor again.
+            msg.mel.CopyFrom(self._mels[seq].result().mel)
             if self.playback is not None:  # recomputed: playback may have started meanwhile
                 due = self.playback.due(chunk, self._ready_at[seq])
                 msg.slack_ms = slack_ms(due, time.monotonic())
@@ -431,11 +432,13 @@ class StreamPipeline:
         get: asyncio.Future | None = None
         try:
             while True:
-                get = asyncio.ensure_future(self._out.get())
-                await asyncio.wait({get, self._failure}, return_when=asyncio.FIRST_COMPLETED)
+                if self._out.empty():  # wait for a chunk or a failure (a task for the get)
+                    get = asyncio.ensure_future(self._out.get())
+                    await asyncio.wait({get, self._failure}, return_when=asyncio.FIRST_COMPLETED)
                 if self._failure.done():
                     raise self._failure.exception()
-                item = get.result()
+                item = get.result() if get is not None else self._out.get_nowait()
+                get = None
                 if item is None:
                     return
                 msg, ready_at = item

@@ -329,3 +329,23 @@ async def test_reused_request_id_gets_its_own_audio(models):
                 assert snr_db(np.concatenate([c.samples for c in chunks]), ref) >= 60
     finally:
         await stack.stop()
+
+
+def test_pcm16_conversion_is_the_documented_rounding():
+    """The client's PCM16: round(x * 32767) half to even, clipped to int16, exactly as the
+    plain numpy formula says (the gateway computes it in place); float32 passes through byte
+    for byte; a non-finite sample is refused naming the field."""
+    from gateway.pipeline import to_client_audio
+    from token2wav.errors import InvalidArgument
+    from token2wav.tensors import encode
+
+    pcm16, f32 = gateway_pb2.AUDIO_FORMAT_PCM16, gateway_pb2.AUDIO_FORMAT_FLOAT32
+    edges = np.array([0.5, -0.5, 1.0, -1.0, 1.5, -1.5, 0.0, 1e-9, 1e30], np.float32)
+    got = np.frombuffer(to_client_audio(encode(edges), pcm16), "<i2")
+    assert got.tolist() == [16384, -16384, 32767, -32767, 32767, -32768, 0, 0, 32767]
+    x = np.random.default_rng(0).normal(0, 0.7, 50_000).astype(np.float32)
+    want = np.clip(np.round(x * 32767.0), -32768, 32767).astype("<i2").tobytes()
+    assert to_client_audio(encode(x), pcm16) == want
+    assert to_client_audio(encode(x), f32) == x.astype("<f4").tobytes()
+    with pytest.raises(InvalidArgument, match="audio: non-finite value at flat index 1"):
+        to_client_audio(encode(np.array([0.0, np.nan], np.float32)), pcm16)

@@ -90,6 +90,11 @@ def test_rejects_oversize_before_reading_data():
 def test_rejects_missing_and_negative_shape():
     _bad(pb.Tensor(), "missing")
     _bad(pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[-1], data=b""), "negative")
+    # Present but without dtype or shape (the cheap presence test falls back to the full one):
+    # not missing, refused for what it lacks.
+    _bad(pb.Tensor(data=b"\0" * 4), "DTYPE_UNSPECIFIED is not a known")
+    # An empty tensor that says its dtype and shape is present (a 0-sample chunk).
+    assert decode(pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[0]), "x").shape == (0,)
 
 
 def test_tokens_range_and_length():

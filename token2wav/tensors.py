@@ -64,7 +64,22 @@ def check_header(
 ) -> list[int]:
     """Validate one tensor field's dtype, shape and byte count without touching its values;
     returns its shape. For a tensor that is forwarded as it came (the gateway's mel)."""
-    if required and not msg.ByteSize():
+    return _checked(msg, field, dtypes, shape, max_bytes, required)[0]
+
+
+def _checked(
+    msg: pb.Tensor,
+    field: str,
+    dtypes: Sequence[int],
+    shape: Sequence[int | None] | None,
+    max_bytes: int,
+    required: bool,
+) -> tuple[list[int], bytes]:
+    """check_header's work; also returns the data bytes, so that decode reads them from the same
+    copy (each read of a bytes field copies it out of the message)."""
+    # ByteSize() serialises the whole message (a copy of the data); a set dtype or shape already
+    # says the tensor is there, so only one without them pays for it.
+    if required and not (msg.dtype or len(msg.shape)) and not msg.ByteSize():
         raise InvalidArgument(field, "required tensor is missing")
     if msg.dtype not in WIRE_DTYPES:
         name = pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else str(msg.dtype)
@@ -87,12 +102,13 @@ def check_header(
     expected = math.prod(dims) * itemsize
     if expected > max_bytes:
         raise InvalidArgument(field, f"{expected} bytes exceeds the {max_bytes}-byte limit")
-    if len(msg.data) != expected:
+    data = msg.data
+    if len(data) != expected:
         raise InvalidArgument(
             field,
-            f"{len(msg.data)} data bytes, but shape {dims} x {itemsize} needs {expected}",
+            f"{len(data)} data bytes, but shape {dims} x {itemsize} needs {expected}",
         )
-    return dims
+    return dims, data
 
 
 def decode(
@@ -109,11 +125,9 @@ def decode(
 
     `shape` fixes the rank; an int entry fixes that dimension, None leaves it free.
     """
-    dims = check_header(
-        msg, field, dtypes=dtypes, shape=shape, max_bytes=max_bytes, required=required
-    )
+    dims, data = _checked(msg, field, dtypes, shape, max_bytes, required)
     np_dtype = WIRE_DTYPES[msg.dtype]
-    array = np.frombuffer(msg.data, dtype=np_dtype).reshape(dims).astype(np_dtype.newbyteorder("="))
+    array = np.frombuffer(data, dtype=np_dtype).reshape(dims).astype(np_dtype.newbyteorder("="))
     if finite and array.dtype.kind == "f" and array.size and not np.isfinite(array).all():
         bad = int(np.flatnonzero(~np.isfinite(array.reshape(-1)))[0])
         raise InvalidArgument(field, f"non-finite value at flat index {bad}")
