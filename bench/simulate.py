@@ -1,26 +1,40 @@
 """Discrete-event simulation of the stack's scheduling on a fake clock (no GPU, no sleeps).
 
 What runs for real: the flow service's `Scheduler` and `CostModel` (the batching, slack order,
-preemption decisions), the gateway's `ChunkPlanner` and `PlaybackClock` (chunk shapes, playback
-deadlines), the bench's workload (`chunk_needs`, Poisson arrivals) and its metrics
-(`bench.metrics.summarize`: first-chunk latency, stack-added stalls). What is modelled:
+preemption decisions), its graph row buckets (`graph_rows`), the gateway's `ChunkPlanner` and
+`PlaybackClock` (chunk shapes, playback deadlines), the vocoder's graph shape buckets
+(`ShapeBuckets`), the bench's workload (`chunk_needs`, Poisson arrivals) and its metrics
+(`bench.metrics.summarize`: first-chunk latency and stages, stack-added stalls). What is
+modelled:
 
-  flow batch time   `FlowCostFit`: per solver step, a launch floor plus rows x padded frames at
-                    a peak rate; fitted to the H200 bf16 runs of 2026-12-03 (B=1 first chunk
-                    33 ms, later chunks ~41 ms mean; 64 x 206 frames ~0.55 s; eager steps of
-                    more than 8 rows >= 15 ms)
+  flow batch time   `FlowCostFit`: a CUDA-graphed solve (rows rounded up to the graph row bucket,
+                    frames to a multiple of 100 up to 800) costs a launch floor plus, per row,
+                    a term in frames and one in frames^2 (attention); fitted to the H200 bf16
+                    solves with fused norms and graphs (docs/BENCHMARKS.md "DiT kernels": 8 x 206
+                    frames 54 ms, 64 x 206 310, 8 x 656 152, 64 x 656 1085; within 5 ms);
+                    batches of more than `graph_rows` (64) rows run eagerly, launch-bound steps
   engine            the loop of flow_service/engine.py: a batch starts when `ready_at` says so;
                     between two solver steps of a preemptible batch, `Scheduler.preempt_due`
                     decides whether an urgent batch (`schedule(urgent_slack_s=...)`) runs nested
   prefix-cache order a stream's call waits for its earlier calls (engine `order_streams`)
-  gateway           4 flow calls in flight per stream, chunks to the vocoder in order, a serial
-                    gateway CPU cost per delivered chunk, 1 ms of wire each way
-  vocoder           one replica, batches of one chunk per session, least slack first,
-                    18 ms + 5.5 ms per extra row (fitted: ~25 ms at B=1, ~120 ms at B=20)
+  gateway           `gateways` processes, streams round robin; each is one serial CPU: a cost
+                    per stream opened (before its first flow call goes out) and per chunk
+                    delivered; 4 flow calls in flight per stream, chunks to the vocoder in
+                    order, 1 ms of wire each way; the start buffer (`start_buffer_s`, the
+                    gateway's --start-buffer-ms, pipeline.py `_hold_first`) holds a stream's
+                    first audio while its input is open, without holding the gateway's CPU
+  vocoder           one replica, `SessionManager.take_ready`'s policy: one chunk per session,
+                    earliest due first, urgent batches (`urgent_slack_s`, `urgent_max_frames`),
+                    `max_wait_s` to fill; `VocoderCostFit`: graphed batches (rows and decoder
+                    window frames padded to the service's buckets) cost a floor plus rows x
+                    frames, fitted to H200 graph replays (one first chunk ~5 ms, 24 first
+                    chunks ~23 ms, 24 x 100-frame chunks ~56 ms); more than 32 rows run eagerly
 
 `python -m bench.simulate` prints the closed-loop and Poisson figures for the current policy
-(`--policy` picks variants); tests/test_simulate.py keeps it honest. Numbers from it are a model,
-not measurements: use it to compare policies, then verify on the GPU.
+(flags pick variants: the services' knobs); `--knobs` prints the table of simulated knob
+settings in docs/BENCHMARKS.md. tests/test_simulate.py keeps it honest. Numbers from it are a
+model, not measurements: use it to compare policies, then verify on the GPU. The flow and the
+vocoder are modelled as independent (they share one GPU on the real host).
 """
 
 from __future__ import annotations
@@ -38,27 +52,77 @@ import numpy as np
 from bench.metrics import StreamRecord, summarize
 from bench.workload import chunk_needs, poisson_arrivals
 from flow_service.costmodel import CostModel
+from flow_service.runner import graph_rows
 from flow_service.scheduler import BatchPolicy, PendingCall, Plan, Scheduler
-from gateway.deadlines import VOCODER_HOLDBACK_FRAMES, DeadlineConfig, PlaybackClock, slack_ms
+from gateway.deadlines import VOCODER_HOLDBACK_FRAMES, DeadlineConfig, PlaybackClock
 from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner, ScheduleConfig
 from token2wav import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKEN_MEL_RATIO
+from vocoder_service.model.config import HIFT_PRESETS
+from vocoder_service.model.graphs import ShapeBuckets
 
 NUM_STEPS = 10
+GRAPH_FRAME_MULTIPLE = 100  # flow_service.engine: graphed batches' frames rounded up to this
+GRAPH_MAX_FRAMES = 800  # the flow's warm-up captures graphs up to this many frames
 
 
 @dataclass(frozen=True)
 class FlowCostFit:
-    launch_s: float = 0.0025  # per step, graphed (<= graph_rows rows)
-    eager_floor_s: float = 0.015  # per step, eager batches are launch-bound below this
-    frames_per_s: float = 250_000.0  # rows x padded frames per second per step (bf16 H200)
-    graph_rows: int = 8
-    overhead_s: float = 0.002  # per batch
+    """A flow batch's seconds on an H200 (bf16, fused norms). `solve_s` is the fit of a whole
+    graphed solve (10 steps) at an exact shape; `batch_s` adds the service's graph buckets."""
+
+    solve_floor_s: float = 0.019  # per graphed solve: launches
+    row_frame_s: float = 2.047e-5  # per row x frame, per solve
+    row_frame2_s: float = 7.495e-9  # per row x frame^2, per solve (attention)
+    graph_rows: int = 64  # the flow's --graph-max-batch
+    eager_step_floor_s: float = 0.026  # eager steps are launch-bound (8-64 x 206: 26-39 ms)
+    eager_factor: float = 1.04  # eager / graphed at 64 rows, fused (321 / 310 ms at 206)
+    overhead_s: float = 0.002  # per batch (host side: prepare, scatter)
+
+    def solve_s(self, rows: int, frames: int) -> float:
+        per_row = self.row_frame_s * frames + self.row_frame2_s * frames * frames
+        return self.solve_floor_s + rows * per_row
 
     def batch_s(self, rows: int, padded_len: int) -> float:
-        step = self.launch_s + rows * padded_len / self.frames_per_s
-        if rows > self.graph_rows:
-            step = max(self.eager_floor_s, step)
+        if rows <= self.graph_rows:
+            frames = padded_len
+            if frames <= GRAPH_MAX_FRAMES:
+                frames = -(-frames // GRAPH_FRAME_MULTIPLE) * GRAPH_FRAME_MULTIPLE
+            return self.overhead_s + self.solve_s(graph_rows(rows), frames)
+        solve = self.eager_factor * self.solve_s(rows, padded_len)
+        step = max(self.eager_step_floor_s, solve / NUM_STEPS)
         return self.overhead_s + NUM_STEPS * step
+
+
+VOCODER_BUCKETS = ShapeBuckets.for_limits()  # the vocoder service's defaults (32 rows, 16, 256)
+VOCODER_CONTEXT = HIFT_PRESETS["cosyvoice3-0.5b"].context_frames()
+
+
+def vocoder_window(chunk) -> int:
+    """Mel frames in the HiFT decoder window of `chunk` (vocoder_service/model/session.py
+    `decode_window`): the new frames, the previous chunk's held-back ones, the left context."""
+    frames = TOKEN_MEL_RATIO * chunk.num_emit_tokens
+    if chunk.seq == 0:
+        return frames if chunk.finalize else frames - VOCODER_HOLDBACK_FRAMES + 1
+    return frames + VOCODER_CONTEXT + (VOCODER_HOLDBACK_FRAMES if chunk.finalize else 1)
+
+
+@dataclass(frozen=True)
+class VocoderCostFit:
+    """A vocoder batch's seconds on an H200: graph replays of padded (rows, window frames)."""
+
+    base_s: float = 0.0049  # a graph replay's floor
+    row_frame_s: float = 1.487e-5  # per padded row x window frame
+    eager_floor_s: float = 0.018  # an eager batch (~900 launches)
+    # per batch, host side in the stack (f0, copies, answers): one stream's first chunk took
+    # 10.3 ms of vocoder compute in the fifth run against ~5 ms of graph replay
+    host_s: float = 0.005
+
+    def batch_s(self, windows: list[int]) -> float:
+        rows, frames = len(windows), max(windows)
+        if VOCODER_BUCKETS.bucketed(VOCODER_BUCKETS.rows(rows), VOCODER_BUCKETS.frames(frames)):
+            rows, frames = VOCODER_BUCKETS.rows(rows), VOCODER_BUCKETS.frames(frames)
+            return self.host_s + self.base_s + self.row_frame_s * rows * frames
+        return self.host_s + max(self.eager_floor_s, self.base_s + self.row_frame_s * rows * frames)
 
 
 @dataclass(frozen=True)
@@ -66,19 +130,32 @@ class SimConfig:
     policy: BatchPolicy = BatchPolicy()
     deadlines: DeadlineConfig | None = DeadlineConfig()
     flow_cost: FlowCostFit = FlowCostFit()
+    vocoder_cost: VocoderCostFit = VocoderCostFit()
     prompt_tokens: int = 75
     utterance_tokens: int = 250
     max_inflight: int = 4
     order_streams: bool = True  # the prefix cache's per-stream order on the replica
     preempt: bool = True
-    vocoder_base_s: float = 0.018
-    vocoder_row_s: float = 0.0055
+    # the vocoder's BatcherConfig: sessions per batch, wait to fill, urgent batches
     vocoder_max_rows: int = 64
-    gateway_chunk_s: float = 0.002  # serial gateway CPU per delivered chunk
-    # the gateway's --start-buffer-ms: a first chunk of a stream whose input is still open
-    # goes out no earlier than this long after its tokens came (a start buffer)
-    start_buffer_s: float = 0.0
+    vocoder_max_wait_s: float = 0.002
+    vocoder_urgent_slack_s: float = 0.1
+    vocoder_urgent_max_frames: int = 1600
+    # gateway processes (the bench's --gateways; 4 in the fifth H200 run), streams round
+    # robin, each one serial CPU. gateway_stream_s is fitted to that run's closed loop (first
+    # chunks' gateway stage 144 ms with 16 streams per gateway opening at once); the 2-core CPU
+    # box measured 5.9-6.7 ms of gateway CPU per stream (bench/gateway_overhead.py)
+    gateways: int = 4
+    gateway_stream_s: float = 0.016  # per stream opened, before its first flow call
+    gateway_chunk_s: float = 0.002  # per delivered chunk
+    # the gateway's --start-buffer-ms, as bench/run_capacity_gpu.sh sets it: a first chunk of
+    # a stream whose input is still open goes out no earlier than this long after its tokens
+    start_buffer_s: float = 0.15
     wire_s: float = 0.001
+    # flow and vocoder share the GPU: a vocoder batch of t seconds delays the running flow
+    # batch by gpu_share x t (0: independent devices; 1, fitted to the fifth run's closed loop:
+    # first chunks' flow compute 142 ms against ~110 ms with 0.5)
+    gpu_share: float = 1.0
 
 
 class _Clock:
@@ -105,17 +182,20 @@ class _Stream:
     planner: ChunkPlanner
     playback: PlaybackClock | None
     rec: StreamRecord
+    gateway: int = 0
     num_tokens: int = 0
     ended: bool = False
+    open_done: bool = False  # its gateway has taken the stream in (flow calls may go out)
     inflight: int = 0
     pending: deque = field(default_factory=deque)  # planned chunks waiting for a slot
     chain: deque = field(default_factory=deque)  # flow calls waiting for their earlier ones
     chain_busy: bool = False
     mels: dict = field(default_factory=dict)  # seq -> chunk, mel done
     ready: dict = field(default_factory=dict)  # seq -> ready_at
+    stages: dict = field(default_factory=dict)  # seq -> flow in, start, done, rows, vocoder same
     next_voc: int = 0
     delivered_frames: int = 0
-    ended_at_first: bool = False  # the input had ended when the first chunk was planned
+    out_free_at: float = 0.0  # the stream's chunks go out in order (the start buffer holds it)
 
 
 class Simulation:
@@ -129,11 +209,14 @@ class Simulation:
         self.streams: list[_Stream] = []
         self.running: Plan | None = None
         self._wake_pending = math.inf
-        self.voc_queue: list = []  # (due, stream, seq)
+        self.voc_queue: list = []  # (due, stream, chunk, ready at the vocoder)
         self.voc_busy = False
-        self.gw_free_at = 0.0
+        self._voc_wake = math.inf
+        self.gw_free_at = [0.0] * max(1, config.gateways)
         self.batches: list[dict] = []  # one line per flow batch (for post-mortems)
+        self.voc_batches: list[dict] = []
         self.num_preemptions = 0
+        self._flow_debt = 0.0  # seconds the running flow work lost to vocoder batches
 
     # -- workload ---------------------------------------------------------------------------
     def add_stream(self, sid: str, opened: float, pace: float) -> None:
@@ -145,33 +228,46 @@ class Simulation:
         clock = (
             PlaybackClock(self.c.deadlines, lambda: self.clock.now) if self.c.deadlines else None
         )
-        s = _Stream(
-            sid, opened, times, ChunkPlanner(self.c.prompt_tokens, ScheduleConfig()), clock, rec
-        )
+        planner = ChunkPlanner(self.c.prompt_tokens, ScheduleConfig())
+        gw = len(self.streams) % len(self.gw_free_at)
+        s = _Stream(sid, opened, times, planner, clock, rec, gateway=gw)
         self.streams.append(s)
+        self.clock.at(opened, self._open, s)
         for i, t in enumerate(times):
             if i + 1 == n or times[i + 1] != t:
                 self.clock.at(t, self._tokens_in, s, i + 1, i + 1 == n)
 
     # -- gateway ----------------------------------------------------------------------------
+    def _gateway_cpu(self, s: _Stream, seconds: float) -> float:
+        """Serial CPU on the stream's gateway from now: when it is done."""
+        start = max(self.clock.now, self.gw_free_at[s.gateway])
+        self.gw_free_at[s.gateway] = start + seconds
+        return start + seconds
+
+    def _open(self, s: _Stream) -> None:
+        self.clock.at(self._gateway_cpu(s, self.c.gateway_stream_s), self._opened, s)
+
+    def _opened(self, s: _Stream) -> None:
+        s.open_done = True
+        self._send_flow(s)
+
     def _tokens_in(self, s: _Stream, num: int, ended: bool) -> None:
         s.num_tokens, s.ended = num, ended
         while (chunk := s.planner.next_call(s.num_tokens, s.ended)) is not None:
             now = self.clock.now
             due = s.playback.due(chunk, now) if s.playback else math.inf
             s.ready[chunk.seq] = now
-            if chunk.seq == 0:
-                s.ended_at_first = s.ended
             s.pending.append((chunk, due))
         self._send_flow(s)
 
     def _send_flow(self, s: _Stream) -> None:
-        while s.pending and s.inflight < self.c.max_inflight:
+        while s.open_done and s.pending and s.inflight < self.c.max_inflight:
             chunk, due = s.pending.popleft()
             s.inflight += 1
             self.clock.at(self.clock.now + self.c.wire_s, self._flow_arrives, s, chunk, due)
 
     def _flow_arrives(self, s: _Stream, chunk, due: float) -> None:
+        s.stages[chunk.seq] = [self.clock.now]
         s.chain.append((chunk, due, self.clock.now))
         self._chain_next(s)
 
@@ -231,7 +327,6 @@ class Simulation:
         state = {
             "plan": plan,
             "start": self.clock.now,
-            "own": total,
             "nested": 0.0,
             "step": step,
             "steps_left": NUM_STEPS,
@@ -240,11 +335,22 @@ class Simulation:
         }
         self.clock.at(self.clock.now + self.c.flow_cost.overhead_s + step, self._step_done, state)
 
+    def _deferred(self, fn, *args) -> bool:
+        """A flow event that is due now but lost GPU time to the vocoder meanwhile: later."""
+        if self._flow_debt <= 0:
+            return False
+        self.clock.at(self.clock.now + self._flow_debt, fn, *args)
+        self._flow_debt = 0.0
+        return True
+
     def _step_done(self, state: dict) -> None:
+        if self._deferred(self._step_done, state):
+            return
         state["steps_left"] -= 1
         now = self.clock.now
         if state["steps_left"] == 0:
-            self._finish(state["plan"], state["start"], state["own"], now)
+            own = now - state["start"] - state["nested"]
+            self._finish(state["plan"], state["start"], own, now)
             self.running = None
             self._kick()
             return
@@ -261,13 +367,15 @@ class Simulation:
                     self.num_preemptions += 1
                     plan.urgent = True
                     t = self.c.flow_cost.batch_s(len(plan.calls), plan.padded_len)
-                    state["nested"] += t
-                    self.clock.at(now + t, self._nested_done, plan, now, t, state)
+                    self.clock.at(now + t, self._nested_done, plan, now, state)
                     return
         self.clock.at(now + state["step"], self._step_done, state)
 
-    def _nested_done(self, plan: Plan, started: float, t: float, state: dict) -> None:
-        self._finish(plan, started, t, self.clock.now)
+    def _nested_done(self, plan: Plan, started: float, state: dict) -> None:
+        if self._deferred(self._nested_done, plan, started, state):
+            return
+        state["nested"] += self.clock.now - started
+        self._finish(plan, started, self.clock.now - started, self.clock.now)
         self.clock.at(self.clock.now + state["step"], self._step_done, state)
 
     def _finish(self, plan: Plan, started: float, own_s: float, now: float) -> None:
@@ -287,6 +395,7 @@ class Simulation:
         )
         for call in plan.calls:
             s, chunk = call.payload
+            s.stages[chunk.seq] += [started, now, len(plan.calls)]
             self.clock.at(now + self.c.wire_s, self._mel_back, s, chunk)
 
     def _mel_back(self, s: _Stream, chunk) -> None:
@@ -298,57 +407,116 @@ class Simulation:
             seq = s.next_voc
             ch = s.mels.pop(seq)
             due = s.playback.due(ch, s.ready[seq]) if s.playback else math.inf
-            self.voc_queue.append((due, s, ch))
+            self.clock.at(self.clock.now + self.c.wire_s, self._voc_arrives, due, s, ch)
             s.next_voc += 1
             s.inflight -= 1
         self._send_flow(s)
-        self._voc_kick()
 
     # -- vocoder and delivery ---------------------------------------------------------------
+    def _voc_arrives(self, due: float, s: _Stream, chunk) -> None:
+        s.stages[chunk.seq].append(self.clock.now)
+        self.voc_queue.append((due, s, chunk, self.clock.now))
+        self._voc_kick()
+
+    def _voc_take(self, now: float) -> list:
+        """vocoder_service.manager.SessionManager.take_ready: one chunk per session (its
+        earliest), earliest due first, FIFO among equals; while any chunk's slack is below the
+        urgent slack, only such chunks, within the urgent frame limit."""
+        firsts: dict = {}
+        for item in self.voc_queue:  # arrival order; a session's chunks arrive in seq order
+            firsts.setdefault(item[1].sid, item)
+        order = sorted(firsts.values(), key=lambda x: x[0])
+        c = self.c
+        urgent_before = now + c.vocoder_urgent_slack_s if c.vocoder_urgent_slack_s > 0 else -1e18
+        urgent = [x for x in order if x[0] < urgent_before]
+        if urgent:
+            order = urgent
+        batch, longest = [], 0
+        for item in order:
+            if len(batch) >= c.vocoder_max_rows:
+                break
+            frames = TOKEN_MEL_RATIO * item[2].num_emit_tokens
+            if urgent and c.vocoder_urgent_max_frames and batch:
+                if (len(batch) + 1) * max(longest, frames) > c.vocoder_urgent_max_frames:
+                    break
+            batch.append(item)
+            longest = max(longest, frames)
+        taken = set(map(id, batch))
+        self.voc_queue = [x for x in self.voc_queue if id(x) not in taken]
+        return batch
+
     def _voc_kick(self) -> None:
         if self.voc_busy or not self.voc_queue:
             return
         now = self.clock.now
-        self.voc_queue.sort(key=lambda x: slack_ms(x[0], now) if x[0] < math.inf else 2**31)
-        batch, rest, seen = [], [], set()
-        for item in self.voc_queue:
-            if item[1].sid in seen or len(batch) >= self.c.vocoder_max_rows:
-                rest.append(item)
-            else:
-                seen.add(item[1].sid)
-                batch.append(item)
-        self.voc_queue = rest
+        # the batcher's wait to fill: until the oldest ready chunk has waited max_wait
+        sessions = len({x[1].sid for x in self.voc_queue})
+        fill_by = min(x[3] for x in self.voc_queue) + self.c.vocoder_max_wait_s
+        if sessions < self.c.vocoder_max_rows and fill_by > now:
+            if fill_by < self._voc_wake:
+                self._voc_wake = fill_by
+                self.clock.at(fill_by, self._voc_wakeup, fill_by)
+            return
+        batch = self._voc_take(now)
         self.voc_busy = True
-        t = self.c.vocoder_base_s + self.c.vocoder_row_s * (len(batch) - 1)
-        self.clock.at(now + t, self._voc_done, batch)
+        t = self.c.vocoder_cost.batch_s([vocoder_window(x[2]) for x in batch])
+        self.voc_batches.append({"t": round(now, 4), "rows": len(batch), "s": round(t, 4)})
+        for _, s, chunk, _ in batch:
+            s.stages[chunk.seq].append(now)
+        if self.running is not None:
+            self._flow_debt += self.c.gpu_share * t
+        self.clock.at(now + t, self._voc_done, batch, len(batch))
 
-    def _voc_done(self, batch) -> None:
+    def _voc_wakeup(self, t: float) -> None:
+        if self._voc_wake == t:
+            self._voc_wake = math.inf
+        self._voc_kick()
+
+    def _voc_done(self, batch, rows: int) -> None:
         self.voc_busy = False
         now = self.clock.now
-        for _, s, chunk in batch:
-            start = max(now, self.gw_free_at)
-            if chunk.seq == 0 and not s.ended_at_first:
-                start = max(start, s.ready[0] + self.c.start_buffer_s)
-            self.gw_free_at = start + self.c.gateway_chunk_s
-            self.clock.at(self.gw_free_at, self._deliver, s, chunk)
+        for _, s, chunk, _ in batch:
+            s.stages[chunk.seq] += [now, rows]
+            self.clock.at(now + self.c.wire_s, self._audio_back, s, chunk)
         self._voc_kick()
+
+    def _audio_back(self, s: _Stream, chunk) -> None:
+        t = self._gateway_cpu(s, self.c.gateway_chunk_s)
+        if chunk.seq == 0 and not s.ended:
+            # pipeline.py `_hold_first`: a wait, not CPU; the stream's later chunks queue behind
+            t = max(t, s.ready[0] + self.c.start_buffer_s)
+        s.out_free_at = max(t, s.out_free_at)
+        self.clock.at(s.out_free_at, self._deliver, s, chunk)
 
     def _deliver(self, s: _Stream, chunk) -> None:
         end = TOKEN_MEL_RATIO * (chunk.token_offset + chunk.num_emit_tokens)
         upto = end if chunk.finalize else max(0, end - VOCODER_HOLDBACK_FRAMES)
         frames = upto - s.delivered_frames
         rec = s.rec
+        now = self.clock.now
         rec.seqs.append(chunk.seq)
         rec.offsets.append(s.delivered_frames * SAMPLES_PER_FRAME)
         rec.num_samples.append(frames * SAMPLES_PER_FRAME)
-        rec.arrivals.append(self.clock.now + self.c.wire_s)
-        rec.timings.append((0.0,) * 7)
+        rec.arrivals.append(now + self.c.wire_s)
+        f_in, f_start, f_done, f_rows, v_in, v_start, v_done, v_rows = s.stages.pop(chunk.seq)
+        ms = 1e3
+        rec.timings.append(
+            (
+                (f_start - f_in) * ms,
+                (f_done - f_start) * ms,
+                f_rows,
+                (v_start - v_in) * ms,
+                (v_done - v_start) * ms,
+                v_rows,
+                (now - s.ready[chunk.seq]) * ms,  # the gateway's clock: tokens in -> sent
+            )
+        )
         s.delivered_frames = upto
         if s.playback:
             s.playback.sent(frames * SAMPLES_PER_FRAME / SAMPLE_RATE)
         if chunk.finalize:
             rec.final_seen = True
-            rec.closed = self.clock.now + self.c.wire_s
+            rec.closed = now + self.c.wire_s
 
     def run(self) -> list[StreamRecord]:
         self.clock.run()
@@ -377,17 +545,115 @@ def poisson(
 def _figures(sim: Simulation, recs: list[StreamRecord], window: float) -> dict:
     m = summarize(recs, window)
     u = m["underruns"]
+    st = m["first_chunk_stages"] or {}
+    keys = ("flow_queue", "flow_compute", "vocoder_queue", "vocoder_compute", "gateway")
     return {
         "streams": m["num_streams"],
         "ok": m["num_ok"],
-        "first_chunk_p50_ms": m["first_chunk_ms"]["p50"],
-        "first_chunk_p95_ms": m["first_chunk_ms"]["p95"],
+        "first_chunk_p50_ms": round(m["first_chunk_ms"]["p50"], 1),
+        "first_chunk_p95_ms": round(m["first_chunk_ms"]["p95"], 1),
         "stack_stalled": u["stack_streams"],
-        "excess_p99_ms": u["excess_buffer_ms"]["p99"],
+        "excess_p99_ms": round(u["excess_buffer_ms"]["p99"], 1),
+        "first_chunk_stages_ms": {k: round(st.get(f"{k}_ms", 0.0), 1) for k in keys},
         "batches": len(sim.batches),
         "preemptions": sim.num_preemptions,
-        "mean_rows": float(np.mean([b["rows"] for b in sim.batches])),
+        "mean_rows": round(float(np.mean([b["rows"] for b in sim.batches])), 2),
     }
+
+
+def probe(
+    config: SimConfig, rate: float, pace: float, seeds: int = 3, duration: float = 15.0
+) -> dict:
+    """One capacity probe pooled over `seeds` Poisson runs: bench/capacity.py's criteria
+    (on time: no stack-added stall, the zero-compute test; pass: >= 99 % on time and first
+    chunk p95 <= 250 ms)."""
+    recs = []
+    for seed in range(seeds):
+        sim = Simulation(config)
+        for i, t in enumerate(poisson_arrivals(seed, rate, duration)):
+            sim.add_stream(f"p{seed}-{i}", float(t), pace)
+        recs += sim.run()
+    m = summarize(recs, duration * seeds)
+    on_time = m["num_ok"] - m["underruns"]["stack_streams"]
+    p95 = m["first_chunk_ms"]["p95"]
+    return {
+        "rate": rate,
+        "on_time": on_time,
+        "streams": m["num_streams"],
+        "first_chunk_p95_ms": round(p95, 1),
+        "passed": on_time >= CAPACITY_ON_TIME * m["num_streams"] and p95 <= CAPACITY_P95_MS,
+    }
+
+
+CAPACITY_ON_TIME, CAPACITY_P95_MS = 0.99, 250.0  # bench/capacity.py's criteria
+PACED_RATES = (3.0, 3.6, 4.3, 5.0, 6.0, 7.0, 8.5)  # streams/s, the knob table's grid at 50/s
+AT_ONCE_RATES = (9.8, 10.7)
+
+
+def capacity(probes: list[dict]) -> float:
+    """The highest probed rate below the first failing one (0: none passed), as the bench's
+    search steps up until a probe fails."""
+    found = 0.0
+    for p in sorted(probes, key=lambda p: p["rate"]):
+        if not p["passed"]:
+            break
+        found = p["rate"]
+    return found
+
+
+def knob_configs() -> dict[str, SimConfig]:
+    """The settings compared in docs/BENCHMARKS.md ("Simulated knobs"): one or two flags of
+    the services each, the rest as bench/run_capacity_gpu.sh ran them in the fifth run."""
+    base = SimConfig()
+    pol = base.policy
+
+    def flow(**kw) -> BatchPolicy:
+        return replace(pol, **kw)
+
+    return {
+        "as run: buffer 150 ms, frames 51200, wait 5 ms, urgent 100 ms / 1600": base,
+        "flow --max-batch-frames=16384": replace(base, policy=flow(max_batch_frames=16384)),
+        "flow --max-batch-frames=8192": replace(base, policy=flow(max_batch_frames=8192)),
+        "flow --max-wait-ms=0": replace(base, policy=flow(max_wait_ms=0.0)),
+        "flow --max-wait-ms=15": replace(base, policy=flow(max_wait_ms=15.0)),
+        "flow --max-wait-ms=30": replace(base, policy=flow(max_wait_ms=30.0)),
+        "gateway --start-buffer-ms=200": replace(base, start_buffer_s=0.2),
+        "gateway --start-buffer-ms=240": replace(base, start_buffer_s=0.24),
+        "vocoder --urgent-slack-ms=0 (off)": replace(base, vocoder_urgent_slack_s=0.0),
+        "vocoder --urgent-slack-ms=200": replace(base, vocoder_urgent_slack_s=0.2),
+        "vocoder --urgent-max-frames=800": replace(base, vocoder_urgent_max_frames=800),
+        "buffer 200 + wait 15": replace(base, start_buffer_s=0.2, policy=flow(max_wait_ms=15.0)),
+        "buffer 240 + wait 15": replace(base, start_buffer_s=0.24, policy=flow(max_wait_ms=15.0)),
+        "buffer 200 + wait 15 + frames 8192": replace(
+            base, start_buffer_s=0.2, policy=flow(max_wait_ms=15.0, max_batch_frames=8192)
+        ),
+    }
+
+
+def knob_table(seeds: int = 8, duration: float = 15.0) -> str:
+    """Markdown: per setting, the closed loop, probes with tokens at once and at 50 tokens/s
+    (pooled over `seeds` Poisson runs of `duration` s each), and the capacity at 50 tokens/s
+    by the zero-compute test (capacity.md's "By the zero-compute test")."""
+    lines = [
+        "| setting | closed loop 64: first chunk p50 / p95 ms | at once 9.8 / 10.7 per s: "
+        "first chunk p95 ms | 50 tokens/s: on time at 4.3 / 5.0 / 6.0 / 7.0 per s | 50 "
+        "tokens/s: first chunk p95 ms at 5.0/s | capacity at 50 tokens/s, streams/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, cfg in knob_configs().items():
+        c = closed_loop(cfg)
+        once = [probe(cfg, r, 0.0, seeds, duration) for r in AT_ONCE_RATES]
+        paced = {r: probe(cfg, r, 50.0, seeds, duration) for r in PACED_RATES}
+        shares = " / ".join(
+            f"{100 * paced[r]['on_time'] / paced[r]['streams']:.1f} %" for r in (4.3, 5.0, 6.0, 7.0)
+        )
+        lines.append(
+            f"| {name} | {c['first_chunk_p50_ms']:.0f} / {c['first_chunk_p95_ms']:.0f} | "
+            f"{once[0]['first_chunk_p95_ms']:.0f} / {once[1]['first_chunk_p95_ms']:.0f} | "
+            f"{shares} | {paced[5.0]['first_chunk_p95_ms']:.0f} | "
+            f"{capacity(list(paced.values())):g} |"
+        )
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
@@ -398,10 +664,36 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--paces", default="0,50", help="token paces (tokens/s, 0: all at once)")
     ap.add_argument("--duration", type=float, default=10.0, help="Poisson window (s)")
+    ap.add_argument("--seed", type=int, default=0, help="Poisson arrivals' seed")
     ap.add_argument("--no-deadlines", action="store_true", help="gateway sends no deadlines")
     ap.add_argument("--batches", action="store_true", help="print the closed loop's batches")
+    base = SimConfig()
+    knobs = ap.add_argument_group("the services' flags (defaults: what the bench runs)")
+    knobs.add_argument("--max-batch-frames", type=int, default=base.policy.max_batch_frames)
+    knobs.add_argument("--max-wait-ms", type=float, default=base.policy.max_wait_ms)
+    knobs.add_argument("--start-buffer-ms", type=float, default=base.start_buffer_s * 1e3)
+    knobs.add_argument("--urgent-slack-ms", type=float, default=base.vocoder_urgent_slack_s * 1e3)
+    knobs.add_argument("--urgent-max-frames", type=int, default=base.vocoder_urgent_max_frames)
+    knobs.add_argument("--gateways", type=int, default=base.gateways)
+    ap.add_argument(
+        "--knobs",
+        action="store_true",
+        help="print the table of simulated knob settings (docs/BENCHMARKS.md) and stop",
+    )
     a = ap.parse_args(argv)
-    cfg = SimConfig(deadlines=None if a.no_deadlines else DeadlineConfig())
+    if a.knobs:
+        print(knob_table())
+        return
+    policy = replace(base.policy, max_batch_frames=a.max_batch_frames, max_wait_ms=a.max_wait_ms)
+    cfg = replace(
+        base,
+        policy=policy,
+        deadlines=None if a.no_deadlines else DeadlineConfig(),
+        start_buffer_s=a.start_buffer_ms / 1e3,
+        vocoder_urgent_slack_s=a.urgent_slack_ms / 1e3,
+        vocoder_urgent_max_frames=a.urgent_max_frames,
+        gateways=a.gateways,
+    )
     out = {"closed": closed_loop(cfg, a.streams)}
     print("closed", a.streams, json.dumps(out["closed"]))
     if a.batches:
@@ -413,7 +705,7 @@ def main(argv=None) -> None:
             print(b)
     for pace in (float(p) for p in a.paces.split(",")):
         for rate in (float(r) for r in a.rates.split(",")):
-            f = poisson(cfg, rate, a.duration, pace)
+            f = poisson(cfg, rate, a.duration, pace, a.seed)
             print(f"pace {pace:g} rate {rate:g}", json.dumps(f))
 
 
@@ -421,4 +713,14 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["FlowCostFit", "SimConfig", "Simulation", "closed_loop", "poisson", "replace"]
+__all__ = [
+    "FlowCostFit",
+    "SimConfig",
+    "Simulation",
+    "VocoderCostFit",
+    "capacity",
+    "closed_loop",
+    "poisson",
+    "probe",
+    "replace",
+]

@@ -10,8 +10,17 @@ import pytest
 from test_deadlines import FakeCost
 
 from bench.metrics import excess_buffer_ms
-from bench.simulate import SimConfig, closed_loop, poisson
+from bench.simulate import (
+    FlowCostFit,
+    SimConfig,
+    Simulation,
+    VocoderCostFit,
+    closed_loop,
+    poisson,
+    replace,
+)
 from flow_service.scheduler import BatchPolicy, PendingCall, Scheduler
+from gateway.schedule import LOOKAHEAD_TOKENS, FlowCall
 from token2wav import SAMPLE_RATE
 
 
@@ -135,9 +144,11 @@ def test_simulation_is_deterministic_and_serves_the_closed_loop_burst_in_order()
 def test_simulation_closed_loop_64_beats_one_long_batch_of_first_chunks():
     """The first GPU run's failure: 64 first chunks in one ~0.5 s batch behind which nothing
     is delivered, then later chunks with deadlines the players no longer had. With the fixes
-    the burst comes out in a pipeline and (nearly) no stream stalls."""
-    fixed = closed_loop(SimConfig())
-    one_batch = closed_loop(SimConfig(policy=BatchPolicy(late_batch_rows=64)))
+    the burst comes out in a pipeline and (nearly) no stream stalls. The gateways take the
+    streams in at once here, so that all first calls reach the flow together."""
+    burst = SimConfig(gateway_stream_s=0.0)
+    fixed = closed_loop(burst)
+    one_batch = closed_loop(replace(burst, policy=BatchPolicy(late_batch_rows=64)))
     assert fixed["first_chunk_p50_ms"] < one_batch["first_chunk_p50_ms"]
     assert fixed["stack_stalled"] <= 2
 
@@ -175,3 +186,61 @@ def test_capacity_on_time_uses_floors_measured_alone():
     # excess beyond chunk 0's latency: 30, 45, 55 ms; beyond the floors: 0, 15, 25 ms
     assert (without["on_time"], with_floors["on_time"]) == (0, 2)
     assert with_floors["on_time_no_floors"] == 0
+
+
+def test_flow_cost_fit_reproduces_the_graphed_solves_and_pads_to_graph_buckets():
+    fit = FlowCostFit()
+    # docs/BENCHMARKS.md "DiT kernels", fused norms, graphed, ms per 10-step solve
+    for rows, frames, ms in [(8, 206, 54), (64, 206, 310), (8, 656, 152), (64, 656, 1085)]:
+        assert fit.solve_s(rows, frames) * 1e3 == pytest.approx(ms, abs=5)
+    # the service replays the graph of 40 rows x 300 frames for 33 rows of up to 210 frames
+    assert fit.batch_s(33, 210) == fit.batch_s(40, 300) > fit.batch_s(32, 200)
+    # past the graphed limit a batch runs eagerly: no cheaper per row than 64 graphed rows
+    assert fit.batch_s(65, 200) / 65 > fit.batch_s(64, 200) / 64
+
+
+def chunk(seq: int):
+    """Chunk `seq` of a stream in hops of 25 tokens (50 mel frames each)."""
+    return FlowCall(seq, 25 * (seq + 1) + LOOKAHEAD_TOKENS, 25 * seq, False, True)
+
+
+def test_vocoder_urgent_batch_takes_only_urgent_chunks_within_the_frame_limit():
+    cfg = SimConfig(vocoder_urgent_slack_s=0.1, vocoder_urgent_max_frames=120)
+    sim = Simulation(cfg)
+    for i in range(3):
+        sim.add_stream(f"s{i}", 0.0, 0.0)
+    a, b, c = sim.streams
+    first, later = chunk(0), chunk(1)
+    sim.voc_queue = [
+        (5.0, a, later, 0.0),  # seconds of slack: waits while urgent work is ready
+        (0.05, b, first, 0.0),  # urgent
+        (0.08, c, first, 0.0),  # urgent
+        (0.09, b, later, 0.0),  # b's second chunk: one chunk per session per batch
+    ]
+    taken = sim._voc_take(now=0.0)
+    assert [(x[1].sid, x[2].seq) for x in taken] == [("s1", 0), ("s2", 0)]
+    # 2 x 50 frames fit 120; the next urgent batch would be b's second chunk alone
+    assert len(sim.voc_queue) == 2
+    # urgent batches off: the least slack first, every session, the frame limit unused
+    sim.voc_queue = [(5.0, a, later, 0.0), (0.05, b, first, 0.0), (0.08, c, first, 0.0)]
+    sim.c = replace(cfg, vocoder_urgent_slack_s=0.0)
+    assert [x[1].sid for x in sim._voc_take(now=0.0)] == ["s1", "s2", "s0"]
+    # vocoder batch time: graph buckets (24 first chunks cost as much as 17)
+    voc = VocoderCostFit()
+    assert voc.batch_s([43] * 17) == voc.batch_s([43] * 24) < voc.batch_s([138] * 24)
+
+
+def test_start_buffer_holds_first_audio_of_paced_streams_only_and_not_the_gateway():
+    cfg = SimConfig(start_buffer_s=0.2, gateways=1)
+    paced = poisson(cfg, rate=2.0, duration=4.0, pace=50.0)
+    assert paced["first_chunk_p50_ms"] == pytest.approx(201.0, abs=2.0)  # buffer + 1 ms wire
+    at_once = poisson(cfg, rate=2.0, duration=4.0)
+    assert at_once["first_chunk_p95_ms"] < 150  # input ended: nothing is held
+    # one paced stream held on the only gateway; a stream opened meanwhile with all of its
+    # tokens is not held behind it
+    sim = Simulation(cfg)
+    sim.add_stream("paced", 0.0, 50.0)
+    sim.add_stream("burst", 0.6, 0.0)
+    paced_rec, burst_rec = sim.run()
+    assert paced_rec.arrivals[0] - 0.54 == pytest.approx(0.201, abs=0.001)  # token 28 at 0.54 s
+    assert burst_rec.arrivals[0] - 0.6 < 0.1
