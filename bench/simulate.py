@@ -580,6 +580,7 @@ def probe(
         "rate": rate,
         "on_time": on_time,
         "streams": m["num_streams"],
+        "first_chunk_p50_ms": round(m["first_chunk_ms"]["p50"], 1),
         "first_chunk_p95_ms": round(p95, 1),
         "passed": on_time >= CAPACITY_ON_TIME * m["num_streams"] and p95 <= CAPACITY_P95_MS,
     }
@@ -613,30 +614,39 @@ def knob_configs() -> dict[str, SimConfig]:
     return {
         "as run: buffer 150 ms, frames 51200, wait 5 ms, urgent 100 ms / 1600": base,
         "flow --max-batch-frames=16384": replace(base, policy=flow(max_batch_frames=16384)),
+        "flow --max-batch-frames=12288": replace(base, policy=flow(max_batch_frames=12288)),
         "flow --max-batch-frames=8192": replace(base, policy=flow(max_batch_frames=8192)),
+        "flow --max-batch-frames=4096": replace(base, policy=flow(max_batch_frames=4096)),
         "flow --max-wait-ms=0": replace(base, policy=flow(max_wait_ms=0.0)),
         "flow --max-wait-ms=15": replace(base, policy=flow(max_wait_ms=15.0)),
-        "flow --max-wait-ms=30": replace(base, policy=flow(max_wait_ms=30.0)),
         "gateway --start-buffer-ms=200": replace(base, start_buffer_s=0.2),
         "gateway --start-buffer-ms=240": replace(base, start_buffer_s=0.24),
         "vocoder --urgent-slack-ms=0 (off)": replace(base, vocoder_urgent_slack_s=0.0),
         "vocoder --urgent-slack-ms=200": replace(base, vocoder_urgent_slack_s=0.2),
         "vocoder --urgent-max-frames=800": replace(base, vocoder_urgent_max_frames=800),
-        "buffer 200 + wait 15": replace(base, start_buffer_s=0.2, policy=flow(max_wait_ms=15.0)),
-        "buffer 240 + wait 15": replace(base, start_buffer_s=0.24, policy=flow(max_wait_ms=15.0)),
-        "buffer 200 + wait 15 + frames 8192": replace(
-            base, start_buffer_s=0.2, policy=flow(max_wait_ms=15.0, max_batch_frames=8192)
+        "buffer 200 + frames 8192": replace(
+            base, start_buffer_s=0.2, policy=flow(max_batch_frames=8192)
+        ),
+        "buffer 240 + frames 8192": replace(
+            base, start_buffer_s=0.24, policy=flow(max_batch_frames=8192)
+        ),
+        "buffer 240 + frames 12288": replace(
+            base, start_buffer_s=0.24, policy=flow(max_batch_frames=12288)
         ),
     }
 
 
-def knob_table(seeds: int = 8, duration: float = 15.0) -> str:
+def _share(p: dict) -> str:
+    return f"{100 * p['on_time'] / p['streams']:.1f} %"
+
+
+def knob_table(seeds: int = 12, duration: float = 15.0) -> str:
     """Markdown: per setting, the closed loop, probes with tokens at once and at 50 tokens/s
     (pooled over `seeds` Poisson runs of `duration` s each), and the capacity at 50 tokens/s
     by the zero-compute test (capacity.md's "By the zero-compute test")."""
     lines = [
-        "| setting | closed loop 64: first chunk p50 / p95 ms | at once 9.8 / 10.7 per s: "
-        "first chunk p95 ms | 50 tokens/s: on time at 4.3 / 5.0 / 6.0 / 7.0 per s | 50 "
+        "| setting | closed loop 64: first chunk p50 / p95 ms, stalled | at once 9.8 / 10.7 per s: "
+        "on time, first chunk p95 ms | 50 tokens/s: on time at 4.3 / 5.0 / 6.0 / 7.0 per s | 50 "
         "tokens/s: first chunk p95 ms at 5.0/s | capacity at 50 tokens/s, streams/s |",
         "|---|---|---|---|---|---|",
     ]
@@ -644,11 +654,10 @@ def knob_table(seeds: int = 8, duration: float = 15.0) -> str:
         c = closed_loop(cfg)
         once = [probe(cfg, r, 0.0, seeds, duration) for r in AT_ONCE_RATES]
         paced = {r: probe(cfg, r, 50.0, seeds, duration) for r in PACED_RATES}
-        shares = " / ".join(
-            f"{100 * paced[r]['on_time'] / paced[r]['streams']:.1f} %" for r in (4.3, 5.0, 6.0, 7.0)
-        )
+        shares = " / ".join(_share(paced[r]) for r in (4.3, 5.0, 6.0, 7.0))
         lines.append(
-            f"| {name} | {c['first_chunk_p50_ms']:.0f} / {c['first_chunk_p95_ms']:.0f} | "
+            f"| {name} | {c['first_chunk_p50_ms']:.0f} / {c['first_chunk_p95_ms']:.0f}, "
+            f"{c['stack_stalled']} | {' / '.join(_share(p) for p in once)}, "
             f"{once[0]['first_chunk_p95_ms']:.0f} / {once[1]['first_chunk_p95_ms']:.0f} | "
             f"{shares} | {paced[5.0]['first_chunk_p95_ms']:.0f} | "
             f"{capacity(list(paced.values())):g} |"

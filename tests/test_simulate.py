@@ -15,6 +15,7 @@ from bench.simulate import (
     SimConfig,
     Simulation,
     VocoderCostFit,
+    capacity,
     closed_loop,
     poisson,
     replace,
@@ -244,3 +245,21 @@ def test_start_buffer_holds_first_audio_of_paced_streams_only_and_not_the_gatewa
     paced_rec, burst_rec = sim.run()
     assert paced_rec.arrivals[0] - 0.54 == pytest.approx(0.201, abs=0.001)  # token 28 at 0.54 s
     assert burst_rec.arrivals[0] - 0.6 < 0.1
+
+
+def test_vocoder_batches_take_gpu_time_from_the_flow():
+    shared = closed_loop(SimConfig(), streams=16)
+    apart = closed_loop(SimConfig(gpu_share=0.0), streams=16)
+    assert (
+        shared["first_chunk_stages_ms"]["flow_compute"]
+        > apart["first_chunk_stages_ms"]["flow_compute"]
+    )
+
+
+def test_knob_capacity_is_the_last_rate_passing_before_the_first_failure():
+    probes = [{"rate": r, "passed": ok} for r, ok in [(5.0, False), (3.0, True), (4.0, True)]]
+    assert capacity(probes) == 4.0
+    # a pass above a failure does not count (the bench's search stops at the first failure)
+    probes += [{"rate": 6.0, "passed": True}]
+    assert capacity(probes) == 4.0
+    assert capacity([{"rate": 3.0, "passed": False}]) == 0.0
