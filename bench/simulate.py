@@ -678,12 +678,15 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", action="store_true", help="print the closed loop's batches")
     base = SimConfig()
     knobs = ap.add_argument_group("the services' flags (defaults: what the bench runs)")
-    knobs.add_argument("--max-batch-frames", type=int, default=base.policy.max_batch_frames)
-    knobs.add_argument("--max-wait-ms", type=float, default=base.policy.max_wait_ms)
-    knobs.add_argument("--start-buffer-ms", type=float, default=base.start_buffer_s * 1e3)
-    knobs.add_argument("--urgent-slack-ms", type=float, default=base.vocoder_urgent_slack_s * 1e3)
-    knobs.add_argument("--urgent-max-frames", type=int, default=base.vocoder_urgent_max_frames)
-    knobs.add_argument("--gateways", type=int, default=base.gateways)
+    for flag, default, kind, what in [
+        ("--max-batch-frames", base.policy.max_batch_frames, int, "flow: rows x padded frames"),
+        ("--max-wait-ms", base.policy.max_wait_ms, float, "flow: wait for a batch to fill"),
+        ("--start-buffer-ms", base.start_buffer_s * 1e3, float, "gateway: first audio held"),
+        ("--urgent-slack-ms", base.vocoder_urgent_slack_s * 1e3, float, "vocoder, 0: off"),
+        ("--urgent-max-frames", base.vocoder_urgent_max_frames, int, "vocoder urgent batch"),
+        ("--gateways", base.gateways, int, "gateway processes, streams round robin"),
+    ]:
+        knobs.add_argument(flag, type=kind, default=default, help=f"{what} (%(default)s)")
     ap.add_argument(
         "--knobs",
         action="store_true",
