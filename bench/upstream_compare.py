@@ -494,8 +494,8 @@ def run_flow(up, a, rows: list[dict], tmp: Path) -> None:
                 dtype=getattr(torch, flow_dtype),
                 kernels=DiTKernels(fused_norms=True),
             )
-            for mode in SERVED_MODES:
-                if SERVED_MODES[mode][1] and not d.startswith("cuda"):
+            for mode, (_, graphs) in SERVED_MODES.items():
+                if graphs and not d.startswith("cuda"):
                     continue  # CUDA graphs need CUDA
                 generate, runner = served_generate(ours, mode)
                 case = f"ours flow {flow_dtype} served ({mode})"

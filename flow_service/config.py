@@ -193,7 +193,7 @@ class FlowConfig:
     device: str = "cpu"
     dtype: str = "float32"
     bf16_fp32_parts: bool = False
-    fused_norms: bool = True  # CUDA only (load_model)
+    fused_norms: bool = True  # CUDA only (service_kernels)
     flex_attention: bool = False
     policy: BatchPolicy = field(default_factory=BatchPolicy)
     cost_prior: CostPrior = field(default_factory=CostPrior)

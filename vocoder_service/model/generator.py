@@ -169,25 +169,16 @@ class HiFTGenerator(nn.Module):
         or one frame longer (the others)), so serving never captures: a capture stalls the
         vocoder 0.1-0.2 s on an H200, and when only the 50/100/200-frame chunks were warmed
         the final chunks' shapes (a 10 s utterance ends with 150 frames: a 195-frame window)
-        were captured in the middle of a benchmark. Inputs are zeros of the shapes
-        `decode_batch` builds (a graph reads only shapes and addresses from them). Returns the
-        number of graphs held. Does nothing without CUDA graphs."""
+        were captured in the middle of a benchmark. Inputs: `_core_inputs`, what a batch's
+        rows are written into (a graph keeps only their shapes and its own buffers). Returns
+        the number of graphs held. Does nothing without CUDA graphs."""
         core = self.graphed_core
         if core is None:
             return 0
-        cfg = self.cfg
-        fps, look = cfg.stft_frames_per_frame, cfg.conv_pre_look_right
         for rows in self.buckets.row_sizes:
             for t in self.buckets.frame_sizes:
                 for t_f0 in (t, t + 1):
-                    core(
-                        torch.full((rows, cfg.in_channels, t + look), -5.0),
-                        torch.zeros(rows, t_f0, dtype=torch.float64),
-                        torch.zeros(rows, t_f0, cfg.num_harmonics, dtype=torch.float64),
-                        torch.zeros(rows, dtype=torch.long),
-                        torch.full((rows,), fps * t + 1, dtype=torch.long),
-                        torch.full((rows,), SAMPLES_PER_FRAME * t_f0, dtype=torch.long),
-                    )
+                    core(*self._core_inputs(rows, t, t_f0))
         return len(core)
 
     # -- public API -----------------------------------------------------------------------------
@@ -350,12 +341,8 @@ class HiFTGenerator(nn.Module):
         b, t = self.buckets.rows(len(rows)), self.buckets.frames(max(lens))
         t_f0 = t + max(src_lens) - max(lens)  # a row's source reaches 0 or 1 frame past its t
         fps, look = cfg.stft_frames_per_frame, cfg.conv_pre_look_right
-        mel_in = torch.zeros(b, cfg.in_channels, t + look)
-        f0 = torch.zeros(b, t_f0, dtype=torch.float64)
-        phase = torch.zeros(b, t_f0, cfg.num_harmonics, dtype=torch.float64)
-        noise_at = torch.zeros(b, dtype=torch.long)  # first source sample of each row
-        n_frames = torch.full((b,), fps * t + 1, dtype=torch.long)  # iSTFT frames per row
-        src_samples = torch.full((b,), SAMPLES_PER_FRAME * t_f0, dtype=torch.long)
+        args = self._core_inputs(b, t, t_f0)
+        mel_in, f0, phase, noise_at, n_frames, src_samples = args
         for r, i in enumerate(rows):
             p, st = plans[i], states[i]
             hi = min(p.dec_end + look, p.total)  # past the last frame: zeros (finalize)
@@ -369,13 +356,26 @@ class HiFTGenerator(nn.Module):
             n_frames[r] = fps * lens[r] + 1
             src_samples[r] = SAMPLES_PER_FRAME * src_lens[r]
         core = self.graphed_core if self.graphed_core is not None else self.synthesize_core
-        wav = core(mel_in, f0, phase, noise_at, n_frames, src_samples)  # (b, 480 t), device
+        wav = core(*args)  # (b, 480 t), device
         wav = wav[: len(rows)].to("cpu", out_dtype)
         for r, i in enumerate(rows):
             p = plans[i]
             a = (p.out[0] - p.window) * SAMPLES_PER_FRAME
             audio[i] = wav[r, a : a + p.num_out_samples].clone()
         return audio
+
+    def _core_inputs(self, b: int, t: int, t_f0: int) -> tuple[torch.Tensor, ...]:
+        """`synthesize_core`'s arguments for b rows of t frames (source t_f0), host side, as
+        for rows that fill all of it: zero mel, f0 and phase; the caller writes its rows."""
+        cfg = self.cfg
+        return (
+            torch.zeros(b, cfg.in_channels, t + cfg.conv_pre_look_right),  # mel_in
+            torch.zeros(b, t_f0, dtype=torch.float64),  # f0
+            torch.zeros(b, t_f0, cfg.num_harmonics, dtype=torch.float64),  # phase
+            torch.zeros(b, dtype=torch.long),  # noise_at: first source sample of each row
+            torch.full((b,), cfg.stft_frames_per_frame * t + 1, dtype=torch.long),  # n_frames
+            torch.full((b,), SAMPLES_PER_FRAME * t_f0, dtype=torch.long),  # src_samples
+        )
 
     def synthesize_core(self, mel_in, f0, phase, noise_at, n_frames, src_samples):
         """The device part of a batch, from padded host or device inputs to clamped audio:
