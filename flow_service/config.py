@@ -110,6 +110,14 @@ def build_parser() -> EnvParser:
         help="largest batch (requests) run through CUDA graphs; larger ones run eagerly",
     )
     p.flag(
+        "--graph-max-frames",
+        type=int,
+        default=12288,
+        help="largest work (rows x longest DiT sequence, frames) a graphed batch may have; "
+        "larger batches are compute-bound and run eagerly, unpadded and with the prefix "
+        "cache (0: no bound, every batch of up to --graph-max-batch rows is graphed)",
+    )
+    p.flag(
         "--preempt",
         type=bool,
         default=True,
@@ -201,6 +209,7 @@ class FlowConfig:
     max_voices: int = 1024
     cuda_graphs: bool = True
     graph_max_batch: int = 64
+    graph_max_frames: int = 12288
     preempt: bool = True
     log_batches: bool = False
 
@@ -208,6 +217,8 @@ class FlowConfig:
     def from_args(cls, args: argparse.Namespace) -> FlowConfig:
         if args.cost_prior_frames_per_s <= 0:
             raise ValueError("--cost-prior-frames-per-s: want > 0")
+        if args.graph_max_frames < 0:
+            raise ValueError(f"--graph-max-frames: {args.graph_max_frames}, want >= 0")
         if args.max_voices < 1:
             raise ValueError(f"--max-voices: {args.max_voices}, want >= 1")
         return cls(
@@ -238,6 +249,7 @@ class FlowConfig:
             max_voices=args.max_voices,
             cuda_graphs=args.cuda_graphs,
             graph_max_batch=args.graph_max_batch,
+            graph_max_frames=args.graph_max_frames,
             preempt=args.preempt,
             log_batches=args.log_batches,
         )

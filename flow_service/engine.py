@@ -59,6 +59,7 @@ class FlowEngine:
         cuda_graphs: bool = True,
         graph_max_batch: int = 64,
         graph_frame_multiple: int = 100,
+        graph_max_frames: int = 0,
         preempt: bool = True,
         cost: CostModel | None = None,
         prefix_cache: PrefixCache | None = None,
@@ -78,6 +79,7 @@ class FlowEngine:
             cuda_graphs=cuda_graphs,
             graph_max_batch=graph_max_batch,
             graph_frame_multiple=graph_frame_multiple,
+            graph_max_frames=graph_max_frames,
         )
         self.preempt = preempt
         self._loop_ref: asyncio.AbstractEventLoop | None = None

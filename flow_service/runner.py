@@ -92,10 +92,11 @@ class FlowRunner:
         cuda_graphs: bool = True,
         graph_max_batch: int = 64,
         graph_frame_multiple: int = 100,
+        graph_max_frames: int = 0,
     ):
         self.model = model
-        # Keys/values of streams' complete earlier blocks (eager batches only: a graphed batch
-        # is launch-bound, recomputing its prefix costs little there).
+        # Keys/values of streams' complete earlier blocks (eager batches only: a graph's shapes
+        # are fixed, so a graphed batch recomputes its prefix).
         self.prefix_cache = prefix_cache
         self.device = next(model.parameters()).device
         # One worker: batches run one after another, while the event loop keeps accepting calls.
@@ -115,11 +116,22 @@ class FlowRunner:
             self.graphs = GraphedEstimator(model.decoder.estimator, max_graphs=128)
         self.graph_max_batch = graph_max_batch
         self.graph_frame_multiple = graph_frame_multiple
+        # Past this much work (rows x longest sequence, in frames; 0 = no bound) a batch is
+        # compute-bound even eagerly, and eager then wins: no padding to the graph's buckets
+        # (206 frames run as 300) and the prefix cache (a 10 s stream's later calls compute
+        # 100-200 new frames instead of 300-500). An H200, bf16, 64 rows: calls 1 and 2 take
+        # 461 and 767 ms graphed, 224 and 396 ms eager with the cache (bench/profile_prefix.py).
+        self.graph_max_frames = graph_max_frames
         self._nested_s = 0.0  # runner thread only: time spent in urgent batches
 
-    def graphed(self, num_rows: int) -> bool:
-        """Whether a batch of `num_rows` replays a CUDA graph (else it runs eagerly)."""
-        return self.graphs is not None and num_rows <= self.graph_max_batch
+    def graphed(self, requests: list[FlowRequest]) -> bool:
+        """Whether this batch replays CUDA graphs (else it runs eagerly, with the cache)."""
+        if self.graphs is None or len(requests) > self.graph_max_batch:
+            return False
+        if not self.graph_max_frames:
+            return True
+        work = len(requests) * max(req.num_seq_frames for req in requests)
+        return work <= self.graph_max_frames
 
     async def warmup(self, requests: list[FlowRequest]) -> None:
         """Run the model off the loop (kernels, allocator, CUDA graphs) before SERVING."""
@@ -148,7 +160,7 @@ class FlowRunner:
             return self.model.generate(requests, between_steps=between_steps, prefix_cache=cache)
         num = len(requests)
         with torch.cuda.stream(self.stream):
-            if self.graphed(num):
+            if self.graphed(requests):
                 # Pad the batch to its row bucket with copies of a real row (rows are
                 # independent; the copies' outputs are dropped) so the graph shape repeats.
                 padded = requests + [requests[-1]] * (graph_rows(num) - num)
@@ -183,7 +195,7 @@ class FlowRunner:
             # step or more ahead), so an urgent batch starts on an idle card; the sync costs
             # microseconds a step. Short graphed steps keep CPU/GPU overlap and sync only
             # when an urgent batch is wanted.
-            eager = not self.graphed(len(requests))
+            eager = not self.graphed(requests)
             hook = functools.partial(self._between_steps, between_steps, eager)
         outputs = self.generate(requests, between_steps=hook)
         wall = time.perf_counter() - t0

@@ -70,6 +70,7 @@ class FlowService(Service):
             log_batches=config.log_batches,
             cuda_graphs=config.cuda_graphs,
             graph_max_batch=config.graph_max_batch,
+            graph_max_frames=config.graph_max_frames,
             preempt=config.preempt,
             cost=CostModel(num_solver_steps(self.model), config.cost_prior),
             prefix_cache=make_prefix_cache(config.prefix_cache, self.model),

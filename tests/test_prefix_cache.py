@@ -418,3 +418,64 @@ def test_uniform_batch_kv_hook_launches(model, monkeypatch):
     assert prefix_blocks == 3 and new_blocks == 2
     per_step = 2 * cache.depth + prefix_blocks + new_blocks
     assert ops == {"copy_": cache.num_steps * per_step}
+
+
+def test_runner_graphs_small_work_and_runs_large_work_eagerly_with_the_cache(model):
+    """--graph-max-frames: a batch whose rows x longest sequence passes the bound leaves the
+    graphs for the eager path (unpadded, prefix cache); 0 keeps every batch up to
+    --graph-max-batch rows graphed; more rows than that are eager whatever the work."""
+    from flow_service.runner import FlowRunner
+
+    calls = stream_calls(make_voice(5, 20), "w", 120, seed=5)  # 40, 60, 100 ... frames
+    runner = FlowRunner(model, graph_max_batch=4, graph_max_frames=200)
+    assert not runner.graphed(calls[:1])  # no graphs on the CPU
+    runner.graphs = object()  # decision only: what a CUDA runner would do
+    sizes = [c.num_seq_frames for c in calls]
+    for n in (1, 2, 4, 5):
+        for c in calls:
+            batch = [c] * n
+            want = n <= 4 and n * c.num_seq_frames <= 200
+            assert runner.graphed(batch) == want, (n, c.num_seq_frames, sizes)
+    runner.graph_max_frames = 0
+    assert runner.graphed([calls[-1]] * 4) and not runner.graphed([calls[-1]] * 5)
+    runner.executor.shutdown()
+
+
+@pytest.mark.gpu
+def test_gpu_runner_eager_with_the_cache_equals_graph_replays(monkeypatch):
+    """Before/after for --graph-max-frames: the same calls, batched two streams at a time,
+    once all graphed (recomputing the prefix, padded) and once all eager with the prefix cache:
+    fp32 mel within 1e-5 of each other (TF32 off), and the eager run hit the cache."""
+    from flow_service.runner import FlowRunner
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    m = load_flow(None, preset="cosyvoice3-0.5b", device="cuda", dtype=torch.float32, seed=0)
+    streams = [stream_calls(make_voice(20 + i, 75), f"g{i}", 300, seed=70 + i)[:-1] for i in (0, 1)]
+    outputs = {}
+    for bound in (0, 1):  # 0: every batch graphed; 1: every batch eager
+        cache = PrefixCache.for_model(m, 8 << 30)
+        runner = FlowRunner(m, prefix_cache=cache, graph_max_batch=8, graph_max_frames=bound)
+        outs = []
+        for batch in zip(*streams, strict=True):
+            assert runner.graphed(list(batch)) == (bound == 0)
+            outs += [o.cpu() for o in runner.generate(list(batch))]
+        outputs[bound] = outs
+        if bound:
+            assert cache.stats["hits"] >= 4
+        runner.close()
+        del runner, cache
+        torch.cuda.empty_cache()
+    assert_close(outputs[1], outputs[0])
+
+
+def test_graph_max_frames_flag():
+    from flow_service.config import FlowConfig, build_parser
+
+    parser = build_parser()
+    assert FlowConfig.from_args(parser.parse_args([])).graph_max_frames == 12288
+    cfg = FlowConfig.from_args(parser.parse_args(["--graph-max-frames", "0"]))
+    assert cfg.graph_max_frames == 0
+    with pytest.raises(ValueError, match="--graph-max-frames: -1, want >= 0"):
+        FlowConfig.from_args(parser.parse_args(["--graph-max-frames", "-1"]))
+    assert "--graph-max-frames" in parser.format_help()
