@@ -37,7 +37,7 @@ from gateway.admission import (
     AdmissionConfig,
     AdmissionController,
     CapacityBoard,
-    worst_lateness,
+    edf_lateness,
 )
 from gateway.client import AsyncClient
 from gateway.deadlines import (
@@ -251,10 +251,12 @@ def controller(capacity: float, **kw) -> AdmissionController:
     return AdmissionController(cfg, board, clock=lambda: 0.0)
 
 
-def test_worst_lateness_is_edf_at_capacity():
+def test_edf_lateness_per_item_at_capacity():
     # 1000 frames/s: 100 frames due 0.05 finish 0.1 (0.05 late); the next 100 finish 0.2
-    assert worst_lateness([(1.0, 100), (0.05, 100)], 1000.0, 0.0) == pytest.approx(0.05)
-    assert worst_lateness([(1.0, 100), (0.5, 100)], 1000.0, 0.0) == pytest.approx(-0.4)
+    assert edf_lateness([(1.0, 100), (0.05, 100)], 1000.0, 0.0) == pytest.approx([-0.8, 0.05])
+    assert edf_lateness([(1.0, 100), (0.5, 100)], 1000.0, 0.0) == pytest.approx([-0.8, -0.4])
+    # ties: the item listed first is served first
+    assert edf_lateness([(0.1, 100), (0.1, 100)], 1000.0, 0.0) == pytest.approx([0.0, 0.1])
 
 
 async def test_admission_admits_when_on_time_and_refuses_when_late():
@@ -278,6 +280,21 @@ async def test_admission_does_not_blame_the_new_stream_for_existing_lateness():
     ctl.streams.add(FakeStream([(0.0, 500)]))  # already 0.5 s late
     assert ctl.check(FakeStream([(100.0, 100)]))[0]  # lands after it: lateness unchanged
     assert not ctl.check(FakeStream([(0.0, 100)]))[0]  # jumps ahead: makes it later
+
+
+async def test_admission_refuses_a_newcomer_late_behind_a_late_stream():
+    """Overload: one admitted chunk is already estimated 0.5 s late. A newcomer whose first
+    chunk would queue behind it and be late itself is refused, although the worst lateness
+    (the old stream's) stays the same; one that also pushes an on-time admitted chunk late is
+    refused even when that stays under the worst."""
+    ctl = controller(1000.0, tolerance_s=0.02)
+    ctl.streams.add(FakeStream([(0.0, 500)]))  # finishes at 0.5: 0.5 s late
+    ok, why = ctl.check(FakeStream([(0.15, 100)]))  # finishes at 0.6: 0.45 s late
+    assert not ok and "late by 450 ms" in why
+    assert ctl.check(FakeStream([(0.7, 100)]))[0]  # behind it but in time
+    ctl.streams.add(FakeStream([(0.65, 100)]))  # on time now: finishes at 0.6
+    ok, why = ctl.check(FakeStream([(0.64, 100)]))  # on time itself, pushes it to 0.7
+    assert not ok and "late by 50 ms" in why
 
 
 async def test_admission_fails_open_without_capacity_and_when_disabled():
