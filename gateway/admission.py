@@ -7,20 +7,19 @@ the stream's own chunk schedule up to the tokens it has, or `expected_tokens` wh
 open). A chunk's work is its DiT sequence length (prompt + prefix frames), the unit in which the
 flow replicas report their learned capacity (GenerateResponse.capacity_frames_per_s; summed over
 replicas heard from recently, times `headroom` for batching losses and the vocoder). Served
-earliest deadline first at that rate, the items' worst lateness is
+earliest deadline first at that rate, item i is late by
 
-  max_i (now + (work of items due no later than i) / capacity - due_i)
+  now + (work of items due no later than i) / capacity - due_i
 
 The new stream is admitted when each of its items (first chunk due now + the first-chunk
-target) finishes within `tolerance` of its deadline, and no admitted item is made late that was
-on time, or later than it already was (streams already late are not blamed on the newcomer,
-nor made later by it). Item by item, not worst case against worst case: once one admitted
-chunk was estimated late, a newcomer whose own chunks queue behind it would leave that
-maximum unchanged however late it came itself, and under overload the gateway then admitted
-past capacity (the H200's overload run, headroom 0.8 or 0.6 alike: 12 streams/s admitted
-against a capacity of 9.4). Otherwise the call is refused with RESOURCE_EXHAUSTED at once, or after at
-most `max_wait` of waiting for streams to finish. While no replica has reported a capacity yet
-(cold start) streams are admitted.
+target) finishes within `tolerance` of its deadline and no admitted item is made late that was
+on time, or later than it was (streams already late are not blamed on the newcomer, nor made
+later by it); otherwise the call is refused with RESOURCE_EXHAUSTED at once, or after at most
+`max_wait` of waiting for streams to finish. Item by item, not worst case against worst case:
+once one admitted chunk is estimated late, a newcomer queued behind it leaves that maximum
+unchanged however late it comes itself (before 080b335 such newcomers were admitted: on an
+H200 under 2 x overload, 12 streams/s against a capacity of 9.4, at headroom 0.8 and 0.6
+alike). While no replica has reported a capacity yet (cold start) streams are admitted.
 
 Feedback (`--admission-feedback`). The estimate is optimistic by construction: it assumes
 every frame runs at the large-batch rate, while at moderate load batches are small, the
