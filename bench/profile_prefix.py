@@ -6,8 +6,8 @@ with the prefix cache, and through the runner's CUDA graphs (which pad and skip 
     PYTHONPATH=. python3 bench/profile_prefix.py --device cpu --preset small --batch 2 --dtype float32
 
 B streams (each its own voice, 3 s prompt) run the gateway's four calls of a 10 s utterance
-(200, 300 and 500 DiT frames, each plus 6 lookahead frames, then the final 650) as four batches
-of B rows: through `FlowModel.generate` without a cache, with a fresh prefix cache (call 0
+(200, 300 and 500 DiT frames, their 3 lookahead tokens context only, then the final 650) as four
+batches of B rows: through `FlowModel.generate` without a cache, with a fresh prefix cache (call 0
 stores its blocks, calls 1 and 2 read them; the final call recomputes), and on CUDA through a
 `FlowRunner` replaying graphs (rows padded to `graph_rows`, frames to a multiple of 100).
 Each configuration runs twice; the second, CUDA-synchronised, is timed. With --profile, the
@@ -115,7 +115,7 @@ def main() -> None:
     runner = FlowRunner(model, graph_max_batch=max(sizes)) if cuda else None
     print(
         f"{a.preset} {a.dtype} {a.device} {kernels}; ms per batch of calls 0/1/2/final "
-        "(DiT 206/306/506/656 frames; graphed: padded to 300/400/600/700)"
+        "(DiT 200/300/500/650 frames; graphed: 200/300/500/700)"
     )
     modes = [("no cache", 0, None), ("cache", a.cache_mb, None)]
     if runner is not None:

@@ -118,7 +118,7 @@ class FlowRunner:
         self.graph_frame_multiple = graph_frame_multiple
         # Past this much work (rows x longest sequence, in frames; 0 = no bound) a batch is
         # compute-bound even eagerly, and eager then wins: no padding to the graph's buckets
-        # (206 frames run as 300) and the prefix cache (a 10 s stream's later calls compute
+        # (a 650-frame final call runs as 700) and the prefix cache (a 10 s stream's later calls compute
         # 100-200 new frames instead of 300-500). An H200, bf16, 64 rows: calls 1 and 2 take
         # 461 and 767 ms graphed, 224 and 396 ms eager with the cache (bench/profile_prefix.py).
         self.graph_max_frames = graph_max_frames
