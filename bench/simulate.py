@@ -12,7 +12,15 @@ modelled:
                     a term in frames and one in frames^2 (attention); fitted to the H200 bf16
                     solves with fused norms and graphs (docs/BENCHMARKS.md "DiT kernels": 8 x 206
                     frames 54 ms, 64 x 206 310, 8 x 656 152, 64 x 656 1085; within 5 ms);
-                    batches of more than `graph_rows` (64) rows run eagerly, launch-bound steps
+                    batches of more than `graph_rows` (64) rows, or (`graph_max_frames`, the
+                    flow's --graph-max-frames) of more rows x longest sequence than that, run
+                    eagerly: unpadded, max(a ~300 ms launch floor, the compute of the frames
+                    computed), fitted to bench/profile_prefix.py's H200 batches
+  prefix cache      per stream: the blocks its eager calls stored; an eager streaming call
+                    reads them up to its first returned frame and computes only the rest
+                    (attending over the whole sequence), storing its complete blocks; graphed
+                    calls store nothing, final calls recompute everything (the voice's shared
+                    prompt blocks are not modelled)
   engine            the loop of flow_service/engine.py: a batch starts when `ready_at` says so;
                     between two solver steps of a preemptible batch, `Scheduler.preempt_due`
                     decides whether an urgent batch (`schedule(urgent_slack_s=...)`) runs nested
@@ -23,6 +31,11 @@ modelled:
                     order, 1 ms of wire each way; the start buffer (`start_buffer_s`, the
                     gateway's --start-buffer-ms, pipeline.py `_hold_first`) holds a stream's
                     first audio while its input is open, without holding the gateway's CPU
+  admission         the gateway's own `AdmissionController` per gateway process (fake clock),
+                    its `CapacityBoard` fed with the simulated flow `CostModel`'s learned
+                    capacity on every flow answer, each stream seen through
+                    `StreamPipeline.remaining_work` itself; refused streams end at once
+                    (RESOURCE_EXHAUSTED); `WorstCaseAdmission` is the rule before 080b335
   vocoder           one replica, `SessionManager.take_ready`'s policy: one chunk per session,
                     earliest due first, urgent batches (`urgent_slack_s`, `urgent_max_frames`),
                     `max_wait_s` to fill; `VocoderCostFit`: graphed batches (rows and decoder
@@ -925,12 +938,12 @@ def graph_cache_table(seeds: int = 8, duration: float = 15.0) -> str:
     figures (start buffer 240 ms, 4 gateways) with and without --graph-max-frames."""
     fit = FlowCostFit()
     lines = [
-        "| rows | graphed: measured / model ms (calls 0/1/2/final) | eager | eager + cache |",
+        "| rows | graphed: measured (model) ms, calls 0 / 1 / 2 / final | eager | eager + cache |",
         "|---|---|---|---|",
     ]
     for rows, measured in PROFILE_MS.items():
         cells = [
-            " / ".join(f"{m}-{round(x)}" for m, x in zip(meas, model, strict=True))
+            " / ".join(f"{m} ({round(x)})" for m, x in zip(meas, model, strict=True))
             for meas, model in zip(measured, profile_model(fit, rows), strict=True)
         ]
         lines.append(f"| {rows} | " + " | ".join(cells) + " |")
@@ -964,33 +977,39 @@ def graph_cache_table(seeds: int = 8, duration: float = 15.0) -> str:
     return "\n".join(lines)
 
 
-def admission_table(seeds: int = 6, rate: float = 18.75, duration: float = 20.0) -> str:
-    """Markdown: overload through one admission gateway (Poisson, tokens at once), the rule
-    before 080b335 against today's, at headroom 0.8 and 0.6; per seed and pooled."""
+# the H200 overload runs: (gateways in front, start buffer s, rate streams/s, seconds, headrooms)
+OVERLOAD_RUNS = ((1, 0.24, 18.75, 20.0, (0.8, 0.6)), (2, 0.15, 21.6, 15.0, (0.8,)))
+
+
+def admission_table(seeds: int = 6) -> str:
+    """Markdown: overload (Poisson, tokens at once) through the gateways' admission, the rule
+    before 080b335 against today's, as the H200 ran it (OVERLOAD_RUNS); per seed and pooled."""
     lines = [
-        "| headroom | rule | admitted / refused per run | admitted on time (pooled; per "
-        "seed) | first chunk p95 ms per seed |",
-        "|---|---|---|---|---|",
+        "| gateways, buffer, rate x s | headroom | rule | admitted / refused per run | "
+        "admitted on time: pooled; per seed | first chunk p95 ms per seed |",
+        "|---|---|---|---|---|---|",
     ]
-    for headroom in (0.8, 0.6):
-        for name, rule in (("old (worst)", WorstCaseAdmission), ("new", AdmissionController)):
-            cfg = SimConfig(
-                gateways=1,
-                start_buffer_s=0.24,
-                admission=AdmissionConfig(enabled=True, headroom=headroom),
-                admission_rule=rule,
-            )
-            runs = [overload(cfg, rate, duration, 0.0, seed) for seed in range(seeds)]
-            adm = sum(r["admitted"] for r in runs)
-            lines.append(
-                f"| {headroom} | {name} | {adm / seeds:.0f} / "
-                f"{sum(r['refused'] for r in runs) / seeds:.0f} | "
-                f"{100 * sum(r['on_time'] for r in runs) / adm:.1f} %; "
-                + " ".join(f"{100 * r['on_time_share']:.0f}" for r in runs)
-                + " | "
-                + " ".join(f"{r['first_chunk_p95_ms']:.0f}" for r in runs)
-                + " |"
-            )
+    for gateways, buffer_s, rate, duration, headrooms in OVERLOAD_RUNS:
+        for headroom in headrooms:
+            for name, rule in (("old", WorstCaseAdmission), ("new", AdmissionController)):
+                cfg = SimConfig(
+                    gateways=gateways,
+                    start_buffer_s=buffer_s,
+                    admission=AdmissionConfig(enabled=True, headroom=headroom),
+                    admission_rule=rule,
+                )
+                runs = [overload(cfg, rate, duration, 0.0, seed) for seed in range(seeds)]
+                adm = sum(r["admitted"] for r in runs)
+                lines.append(
+                    f"| {gateways}, {buffer_s * 1e3:.0f} ms, {rate:g}/s x {duration:g} s | "
+                    f"{headroom} | {name} | {adm / seeds:.0f} / "
+                    f"{sum(r['refused'] for r in runs) / seeds:.0f} | "
+                    f"{100 * sum(r['on_time'] for r in runs) / adm:.1f} %; "
+                    + " ".join(f"{100 * r['on_time_share']:.0f}" for r in runs)
+                    + " | "
+                    + " ".join(f"{r['first_chunk_p95_ms']:.0f}" for r in runs)
+                    + " |"
+                )
     return "\n".join(lines)
 
 
@@ -1022,9 +1041,43 @@ def main(argv=None) -> None:
         action="store_true",
         help="print the table of simulated knob settings (docs/BENCHMARKS.md) and stop",
     )
+    adm = ap.add_argument_group(
+        "admission (the gateway's --admission-...; each gateway process admits its own streams)"
+    )
+    adm.add_argument(
+        "--overload",
+        type=float,
+        default=0.0,
+        metavar="RATE",
+        help="run Poisson arrivals at RATE streams/s (tokens at once) for --overload-seconds "
+        "through the gateways' admission control instead of the runs above, and stop",
+    )
+    adm.add_argument("--overload-seconds", type=float, default=20.0, help="(%(default)s)")
+    adm.add_argument(
+        "--admission-headroom",
+        type=float,
+        default=AdmissionConfig().headroom,
+        help="share of the flow's reported capacity admission plans with (%(default)s)",
+    )
+    adm.add_argument(
+        "--old-admission-rule",
+        action="store_true",
+        help="admit by the rule before commit 080b335 (worst lateness against worst), to compare",
+    )
+    ap.add_argument(
+        "--tables",
+        action="store_true",
+        help="print the tables of docs/BENCHMARKS.md's 'Simulated: graphs or cache per batch, "
+        "and admission' (flow cost fit, the sixth run's figures, overload) and stop",
+    )
     a = ap.parse_args(argv)
     if a.knobs:
         print(knob_table())
+        return
+    if a.tables:
+        print(graph_cache_table())
+        print()
+        print(admission_table())
         return
     policy = replace(base.policy, max_batch_frames=a.max_batch_frames, max_wait_ms=a.max_wait_ms)
     cfg = replace(
@@ -1037,6 +1090,14 @@ def main(argv=None) -> None:
         gateways=a.gateways,
         graph_max_frames=a.graph_max_frames,
     )
+    if a.overload > 0:
+        cfg = replace(
+            cfg,
+            admission=AdmissionConfig(enabled=True, headroom=a.admission_headroom),
+            admission_rule=WorstCaseAdmission if a.old_admission_rule else AdmissionController,
+        )
+        print(json.dumps(overload(cfg, a.overload, a.overload_seconds, 0.0, a.seed)))
+        return
     out = {"closed": closed_loop(cfg, a.streams)}
     print("closed", a.streams, json.dumps(out["closed"]))
     if a.batches:
@@ -1058,11 +1119,13 @@ if __name__ == "__main__":
 
 __all__ = [
     "FlowCostFit",
+    "WorstCaseAdmission",
     "SimConfig",
     "Simulation",
     "VocoderCostFit",
     "capacity",
     "closed_loop",
+    "overload",
     "poisson",
     "probe",
     "replace",
