@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from test_deadlines import FakeCost
+from test_deadlines import FakeCost, FakeStream
 
 from bench.metrics import excess_buffer_ms
 from bench.simulate import (
@@ -26,7 +26,7 @@ from bench.simulate import (
     replace,
 )
 from flow_service.scheduler import BatchPolicy, PendingCall, Plan, Scheduler
-from gateway.admission import AdmissionConfig, AdmissionController
+from gateway.admission import AdmissionConfig, AdmissionController, CapacityBoard
 from gateway.deadlines import DeadlineConfig
 from gateway.schedule import LOOKAHEAD_TOKENS, FlowCall
 from token2wav import SAMPLE_RATE
@@ -414,3 +414,20 @@ def test_overload_admission_refuses_some_and_keeps_more_of_the_admitted_on_time(
         shares[rule] = sum(r["on_time"] for r in runs) / sum(r["admitted"] for r in runs)
     assert shares[AdmissionController] > shares[WorstCaseAdmission]
     assert shares[AdmissionController] > everyone["on_time_share"] + 0.2
+
+
+def test_worst_case_rule_admits_a_newcomer_late_behind_a_late_stream_as_before_080b335():
+    """The comparison rule: with one admitted chunk 0.5 s late, a newcomer that would itself
+    finish 0.45 s late leaves the worst lateness unchanged, so the old rule admitted it; the
+    gateway's rule refuses it. Both refuse one that makes the late chunk later."""
+    board = CapacityBoard(clock=lambda: 0.0)
+    board.report("flow", 1000.0)
+    cfg = AdmissionConfig(enabled=True, headroom=1.0, tolerance_s=0.02)
+    old = WorstCaseAdmission(cfg, board, clock=lambda: 0.0)
+    new = AdmissionController(cfg, board, clock=lambda: 0.0)
+    for ctl in (old, new):
+        ctl.streams.add(FakeStream([(0.0, 500)]))  # finishes at 0.5 s
+    behind = FakeStream([(0.15, 100)])  # finishes at 0.6 s
+    assert old.check(behind)[0] and not new.check(behind)[0]
+    ahead = FakeStream([(0.0, 100)])  # served first: the late chunk finishes at 0.6 s
+    assert not old.check(ahead)[0] and not new.check(ahead)[0]
