@@ -12,7 +12,15 @@ modelled:
                     a term in frames and one in frames^2 (attention); fitted to the H200 bf16
                     solves with fused norms and graphs (docs/BENCHMARKS.md "DiT kernels": 8 x 206
                     frames 54 ms, 64 x 206 310, 8 x 656 152, 64 x 656 1085; within 5 ms);
-                    batches of more than `graph_rows` (64) rows run eagerly, launch-bound steps
+                    batches of more than `graph_rows` (64) rows, or (`graph_max_frames`, the
+                    flow's --graph-max-frames) of more rows x longest sequence than that, run
+                    eagerly: unpadded, max(a ~300 ms launch floor, the compute of the frames
+                    computed), fitted to bench/profile_prefix.py's H200 batches
+  prefix cache      per stream: the blocks its eager calls stored; an eager streaming call
+                    reads them up to its first returned frame and computes only the rest
+                    (attending over the whole sequence), storing its complete blocks; graphed
+                    calls store nothing, final calls recompute everything (the voice's shared
+                    prompt blocks are not modelled)
   engine            the loop of flow_service/engine.py: a batch starts when `ready_at` says so;
                     between two solver steps of a preemptible batch, `Scheduler.preempt_due`
                     decides whether an urgent batch (`schedule(urgent_slack_s=...)`) runs nested
@@ -23,6 +31,11 @@ modelled:
                     order, 1 ms of wire each way; the start buffer (`start_buffer_s`, the
                     gateway's --start-buffer-ms, pipeline.py `_hold_first`) holds a stream's
                     first audio while its input is open, without holding the gateway's CPU
+  admission         the gateway's own `AdmissionController` per gateway process (fake clock),
+                    its `CapacityBoard` fed with the simulated flow `CostModel`'s learned
+                    capacity on every flow answer, each stream seen through
+                    `StreamPipeline.remaining_work` itself; refused streams end at once
+                    (RESOURCE_EXHAUSTED); `WorstCaseAdmission` is the rule before 080b335
   vocoder           one replica, `SessionManager.take_ready`'s policy: one chunk per session,
                     earliest due first, urgent batches (`urgent_slack_s`, `urgent_max_frames`),
                     `max_wait_s` to fill; `VocoderCostFit`: graphed batches (rows and decoder
@@ -52,11 +65,15 @@ import numpy as np
 from bench.metrics import StreamRecord, summarize
 from bench.workload import chunk_needs, poisson_arrivals
 from flow_service.costmodel import CostModel
+from flow_service.model.config import BLOCK_FRAMES
 from flow_service.runner import graph_rows
 from flow_service.scheduler import BatchPolicy, PendingCall, Plan, Scheduler
+from gateway.admission import AdmissionConfig, AdmissionController, CapacityBoard, edf_lateness
 from gateway.deadlines import VOCODER_HOLDBACK_FRAMES, DeadlineConfig, PlaybackClock
+from gateway.pipeline import StreamPipeline
 from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner, ScheduleConfig
 from token2wav import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKEN_MEL_RATIO
+from token2wav.errors import ResourceExhausted
 from vocoder_service.model.config import HIFT_PRESETS
 from vocoder_service.model.graphs import ShapeBuckets
 
@@ -74,23 +91,45 @@ class FlowCostFit:
     row_frame_s: float = 2.047e-5  # per row x frame, per solve
     row_frame2_s: float = 7.495e-9  # per row x frame^2, per solve (attention)
     graph_rows: int = 64  # the flow's --graph-max-batch
-    eager_step_floor_s: float = 0.026  # eager steps are launch-bound (8-64 x 206: 26-39 ms)
-    eager_factor: float = 1.04  # eager / graphed at 64 rows, fused (321 / 310 ms at 206)
+    # Eager solves (bench/profile_prefix.py on an H200, bf16, fused norms, 10 s streams' calls
+    # 0/1/2/final at 16-64 rows): max(a launch-bound floor, the compute of the frames actually
+    # computed). The floor is ~300 ms a solve, measured 214-406 ms where compute is small (the
+    # spread is run to run); compute runs at ~0.39-0.43 M frame-steps/s at 64 rows, the graphed
+    # rate (64 x 206 / 656 frames: 305 / 1080 ms eager against 310 / 1153 graphed but padded)
+    eager_floor_s: float = 0.30
+    eager_factor: float = 1.0
+    # an eager call that fills prefix-cache blocks writes their keys/values at every step: 64
+    # rows x 200 stored frames cost ~45 ms (call 0: 350 ms with the cache, 305 without)
+    store_frame_s: float = 3.5e-6  # per row x stored frame, per solve
     overhead_s: float = 0.002  # per batch (host side: prepare, scatter)
 
     def solve_s(self, rows: int, frames: int) -> float:
         per_row = self.row_frame_s * frames + self.row_frame2_s * frames * frames
         return self.solve_floor_s + rows * per_row
 
+    def graphed_s(self, rows: int, padded_len: int) -> float:
+        """A CUDA-graphed batch: rows to the graph row bucket, frames to a multiple of 100."""
+        frames = padded_len
+        if frames <= GRAPH_MAX_FRAMES:
+            frames = -(-frames // GRAPH_FRAME_MULTIPLE) * GRAPH_FRAME_MULTIPLE
+        return self.overhead_s + self.solve_s(graph_rows(rows), frames)
+
+    def eager_s(
+        self, rows: int, padded_len: int, queries: int | None = None, stored: int = 0
+    ) -> float:
+        """An eager batch, unpadded: `queries` frames per row computed (the longest row's
+        frames after its cached prefix; None: all of them) attending over `padded_len`, and
+        `stored` row frames written to the prefix cache."""
+        q = padded_len if queries is None else queries
+        per_row = self.row_frame_s * q + self.row_frame2_s * q * padded_len
+        compute = self.eager_factor * (self.solve_floor_s + rows * per_row)
+        return self.overhead_s + max(self.eager_floor_s, compute + self.store_frame_s * stored)
+
     def batch_s(self, rows: int, padded_len: int) -> float:
+        """Without the prefix cache or a frame bound: graphed up to `graph_rows` rows."""
         if rows <= self.graph_rows:
-            frames = padded_len
-            if frames <= GRAPH_MAX_FRAMES:
-                frames = -(-frames // GRAPH_FRAME_MULTIPLE) * GRAPH_FRAME_MULTIPLE
-            return self.overhead_s + self.solve_s(graph_rows(rows), frames)
-        solve = self.eager_factor * self.solve_s(rows, padded_len)
-        step = max(self.eager_step_floor_s, solve / NUM_STEPS)
-        return self.overhead_s + NUM_STEPS * step
+            return self.graphed_s(rows, padded_len)
+        return self.eager_s(rows, padded_len)
 
 
 VOCODER_BUCKETS = ShapeBuckets.for_limits()  # the vocoder service's defaults (32 rows, 16, 256)
@@ -156,6 +195,15 @@ class SimConfig:
     # batch by gpu_share x t (0: independent devices; 1, fitted to the fifth run's closed loop:
     # first chunks' flow compute 142 ms against ~110 ms with 0.5)
     gpu_share: float = 1.0
+    # the flow's --graph-max-frames (flow_service/runner.py `FlowRunner.graphed`): a batch of
+    # at most graph_rows rows replays CUDA graphs only if rows x its longest sequence is at most
+    # this; otherwise it runs eagerly, unpadded, with the prefix cache. 0: no bound (graphs up
+    # to graph_rows rows, as before 2026-12-03's sixth run)
+    graph_max_frames: int = 12288
+    # the gateway's admission control (--admission...; enabled=False: every stream admitted),
+    # one controller per gateway process, the real one or a variant (`WorstCaseAdmission`)
+    admission: AdmissionConfig = AdmissionConfig()
+    admission_rule: type[AdmissionController] = AdmissionController
 
 
 class _Clock:
@@ -174,6 +222,81 @@ class _Clock:
             fn(*args)
 
 
+class _Done:
+    """A finished future, as `StreamPipeline.remaining_work` reads one."""
+
+    def __init__(self, value=None):
+        self.value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self):
+        return self.value
+
+
+class _Voice:
+    def __init__(self, num_prompt_tokens: int):
+        self.num_prompt_tokens = num_prompt_tokens
+
+
+class _AdmissionView:
+    """A simulated stream as the gateway's admission sees its `StreamPipeline`: the attributes
+    that `StreamPipeline.remaining_work` reads, and that very method (not a copy of it)."""
+
+    remaining_work = StreamPipeline.remaining_work
+
+    def __init__(self, s: _Stream, prompt_tokens: int):
+        self.s = s
+        self.setup = type("Setup", (), {"voice": _Voice(prompt_tokens)})()
+        self.playback = s.playback
+        self.planner = s.planner
+        self._ready_at = s.ready
+        self._flow_calls: dict[int, _Done] = {}  # seq -> planned chunk
+        self._mels: dict[int, _Done] = {}  # seq -> mel back
+        self._due: dict[int, float] = {}  # seq -> due sent to the flow
+
+    @property
+    def num_tokens(self) -> int:
+        return self.s.num_tokens
+
+    @property
+    def ended(self) -> bool:
+        return self.s.ended
+
+
+def _now(coro):
+    """Run a coroutine that never waits (admission with max_wait 0) to its end, loop-free."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise RuntimeError("admission waited: the simulation supports --admission-max-wait-ms 0")
+
+
+class WorstCaseAdmission(AdmissionController):
+    """The gateway's admission rule before commit 080b335 (worst against worst): admit when the
+    largest EDF lateness with the newcomer is within max(tolerance, the largest without it).
+    Kept here only to compare the rules; the gateway runs `AdmissionController.check`."""
+
+    def check(self, stream) -> tuple[bool, str]:
+        if not self.config.enabled:
+            return True, ""
+        capacity = self.capacity()
+        if capacity <= 0:
+            return True, ""
+        now = self.clock()
+        n = self.config.expected_tokens
+        items = [i for s in self.streams for i in s.remaining_work(now, n)]
+        new = stream.remaining_work(now, n)
+        before = max(edf_lateness(items, capacity, now), default=-math.inf)
+        after = max(edf_lateness(items + new, capacity, now), default=-math.inf)
+        if after <= max(self.config.tolerance_s, before):
+            return True, ""
+        return False, f"worst lateness {after * 1e3:.0f} ms"
+
+
 @dataclass(eq=False)
 class _Stream:
     sid: str
@@ -186,6 +309,7 @@ class _Stream:
     num_tokens: int = 0
     ended: bool = False
     open_done: bool = False  # its gateway has taken the stream in (flow calls may go out)
+    refused: bool = False  # admission refused it (RESOURCE_EXHAUSTED)
     inflight: int = 0
     pending: deque = field(default_factory=deque)  # planned chunks waiting for a slot
     chain: deque = field(default_factory=deque)  # flow calls waiting for their earlier ones
@@ -196,6 +320,8 @@ class _Stream:
     next_voc: int = 0
     delivered_frames: int = 0
     out_free_at: float = 0.0  # the stream's chunks go out in order (the start buffer holds it)
+    cached_frames: int = 0  # prefix-cache blocks stored for it by its eager calls, in frames
+    view: _AdmissionView | None = None  # what admission sees of it, while admitted
 
 
 class Simulation:
@@ -213,10 +339,19 @@ class Simulation:
         self.voc_busy = False
         self._voc_wake = math.inf
         self.gw_free_at = [0.0] * max(1, config.gateways)
+        # per gateway process: the replicas' reported capacity and the admission controller
+        self.boards = [CapacityBoard(lambda: self.clock.now) for _ in self.gw_free_at]
+        self.admission = [
+            config.admission_rule(config.admission, b, lambda: self.clock.now) for b in self.boards
+        ]
+        self.refused = 0
         self.batches: list[dict] = []  # one line per flow batch (for post-mortems)
         self.voc_batches: list[dict] = []
         self.num_preemptions = 0
         self._flow_debt = 0.0  # seconds the running flow work lost to vocoder batches
+        self._cache_plans: dict = {}  # id(plan) -> prefix-cache stores (None: graphed)
+        self.seq_frames = 0  # flow batches' rows x sequence frames (padding excluded)
+        self.computed_frames = 0  # of which computed (the prefix cache's hits excluded)
 
     # -- workload ---------------------------------------------------------------------------
     def add_stream(self, sid: str, opened: float, pace: float) -> None:
@@ -245,6 +380,16 @@ class Simulation:
         return start + seconds
 
     def _open(self, s: _Stream) -> None:
+        if self.c.admission.enabled:  # gateway/servicer.py: admit before the pipeline runs
+            view = _AdmissionView(s, self.c.prompt_tokens)
+            try:
+                _now(self.admission[s.gateway].admit(view))
+            except ResourceExhausted as exc:
+                s.refused, self.refused = True, self.refused + 1
+                s.rec.status, s.rec.detail = "RESOURCE_EXHAUSTED", str(exc)
+                s.rec.closed = self.clock.now + 2 * self.c.wire_s
+                return
+            s.view = view
         self.clock.at(self._gateway_cpu(s, self.c.gateway_stream_s), self._opened, s)
 
     def _opened(self, s: _Stream) -> None:
@@ -252,12 +397,17 @@ class Simulation:
         self._send_flow(s)
 
     def _tokens_in(self, s: _Stream, num: int, ended: bool) -> None:
+        if s.refused:
+            return
         s.num_tokens, s.ended = num, ended
         while (chunk := s.planner.next_call(s.num_tokens, s.ended)) is not None:
             now = self.clock.now
             due = s.playback.due(chunk, now) if s.playback else math.inf
             s.ready[chunk.seq] = now
             s.pending.append((chunk, due))
+            if s.view is not None:
+                s.view._flow_calls[chunk.seq] = _Done(chunk)
+                s.view._due[chunk.seq] = due
         self._send_flow(s)
 
     def _send_flow(self, s: _Stream) -> None:
@@ -319,7 +469,7 @@ class Simulation:
 
     def _start(self, plan: Plan) -> None:
         self.running = plan
-        total = self.c.flow_cost.batch_s(len(plan.calls), plan.padded_len)
+        total = self._batch_s(plan)
         preemptible = self.c.preempt and not any(
             c.is_first_chunk and c.due == math.inf for c in plan.calls
         )
@@ -366,10 +516,55 @@ class Simulation:
                 if plan is not None:
                     self.num_preemptions += 1
                     plan.urgent = True
-                    t = self.c.flow_cost.batch_s(len(plan.calls), plan.padded_len)
+                    t = self._batch_s(plan)
                     self.clock.at(now + t, self._nested_done, plan, now, state)
                     return
         self.clock.at(now + state["step"], self._step_done, state)
+
+    def graphed(self, plan: Plan) -> bool:
+        """flow_service/runner.py `FlowRunner.graphed`: graphs up to graph_rows rows and,
+        with graph_max_frames, up to that many rows x longest sequence frames."""
+        rows, bound = len(plan.calls), self.c.graph_max_frames
+        return rows <= self.c.flow_cost.graph_rows and not (
+            bound and rows * plan.padded_len > bound
+        )
+
+    def _batch_s(self, plan: Plan) -> float:
+        """Seconds of `plan` alone: graphed (padded, no cache), or eager with the prefix cache
+        (flow_service/model/prefix_cache.py `PrefixCache.plan`: a streaming call reads the
+        blocks its stream's earlier eager calls stored, up to its first returned frame, and
+        stores its sequence's complete blocks; a final call reads nothing)."""
+        fit = self.c.flow_cost
+        frames = [c.num_seq_frames for c in plan.calls]
+        self.seq_frames += sum(frames)
+        if self.graphed(plan):
+            self._cache_plans[id(plan)] = None
+            self.computed_frames += sum(frames)
+            return fit.graphed_s(len(plan.calls), plan.padded_len)
+        prefixes, stored, stores = [], 0, []
+        for call in plan.calls:
+            s, chunk = call.payload
+            prefix = 0
+            if not call.final:
+                out_start = TOKEN_MEL_RATIO * (self.c.prompt_tokens + chunk.token_offset)
+                limit = min(out_start, call.num_seq_frames) // BLOCK_FRAMES * BLOCK_FRAMES
+                prefix = min(s.cached_frames, limit)
+                end = call.num_seq_frames // BLOCK_FRAMES * BLOCK_FRAMES
+                if end > prefix:
+                    stored += end - prefix
+                    stores.append((s, end))
+            prefixes.append(prefix)
+        self._cache_plans[id(plan)] = stores
+        queries = max(f - p for f, p in zip(frames, prefixes, strict=True))
+        self.computed_frames += sum(frames) - sum(prefixes)
+        return fit.eager_s(len(plan.calls), plan.padded_len, queries, stored)
+
+    def _commit_cache(self, plan: Plan) -> bool:
+        """After `plan`'s solve: its eager rows' blocks are stored. Whether it was graphed."""
+        stores = self._cache_plans.pop(id(plan))
+        for s, end in stores or ():
+            s.cached_frames = max(s.cached_frames, end)
+        return stores is None
 
     def _nested_done(self, plan: Plan, started: float, state: dict) -> None:
         if self._deferred(self._nested_done, plan, started, state):
@@ -382,6 +577,7 @@ class Simulation:
         self.sched.mark_busy_until(now)
         self.sched.finished(plan.calls, now)
         self.cost.observe(len(plan.calls), plan.padded_len, own_s)
+        graphed = self._commit_cache(plan)
         self.batches.append(
             {
                 "t": round(started, 4),
@@ -391,6 +587,7 @@ class Simulation:
                 "urgent": plan.urgent,
                 "s": round(now - started, 4),
                 "late": sum(c.due < now for c in plan.calls),
+                "graphed": graphed,
             }
         )
         for call in plan.calls:
@@ -400,6 +597,10 @@ class Simulation:
 
     def _mel_back(self, s: _Stream, chunk) -> None:
         s.mels[chunk.seq] = chunk
+        # gateway/downstream.py: each flow answer carries the replica's learned capacity
+        self.boards[s.gateway].report("flow", self.cost.capacity_frames_per_s)
+        if s.view is not None:
+            s.view._mels[chunk.seq] = _Done()
         if s.chain_busy:
             s.chain_busy = False
             self._chain_next(s)
@@ -513,10 +714,16 @@ class Simulation:
         )
         s.delivered_frames = upto
         if s.playback:
+            if chunk.seq > 0 and s.view is not None:  # pipeline.py `run`: admission feedback
+                needed = s.playback.needed_at(chunk, s.ready[chunk.seq], project=True)
+                self.admission[s.gateway].observe(now - needed)
             s.playback.sent(frames * SAMPLES_PER_FRAME / SAMPLE_RATE)
         if chunk.finalize:
             rec.final_seen = True
             rec.closed = now + self.c.wire_s
+            if s.view is not None:
+                _now(self.admission[s.gateway].release(s.view))
+                s.view = None
 
     def run(self) -> list[StreamRecord]:
         self.clock.run()
@@ -542,6 +749,31 @@ def poisson(
     return _figures(sim, recs, duration)
 
 
+def overload(
+    config: SimConfig, rate: float, duration: float = 20.0, pace: float = 0.0, seed: int = 0
+) -> dict:
+    """Poisson arrivals at `rate` through the gateways' admission: how many it refused, and
+    how the admitted streams fared (on time: no stack-added stall, bench/capacity.py)."""
+    sim = Simulation(config)
+    for i, t in enumerate(poisson_arrivals(seed, rate, duration)):
+        sim.add_stream(f"o{i}", float(t), pace)
+    recs = sim.run()
+    m = summarize(recs, duration)
+    admitted = m["num_ok"]
+    on_time = admitted - m["underruns"]["stack_streams"]
+    return {
+        "rate": rate,
+        "streams": m["num_streams"],
+        "admitted": admitted,
+        "refused": sim.refused,
+        "on_time": on_time,
+        "on_time_share": round(on_time / admitted, 3) if admitted else None,
+        "first_chunk_p50_ms": round(m["first_chunk_ms"]["p50"], 1) if admitted else None,
+        "first_chunk_p95_ms": round(m["first_chunk_ms"]["p95"], 1) if admitted else None,
+        "factor": [round(a.factor, 3) for a in sim.admission],
+    }
+
+
 def _figures(sim: Simulation, recs: list[StreamRecord], window: float) -> dict:
     m = summarize(recs, window)
     u = m["underruns"]
@@ -553,6 +785,7 @@ def _figures(sim: Simulation, recs: list[StreamRecord], window: float) -> dict:
         "first_chunk_p50_ms": round(m["first_chunk_ms"]["p50"], 1),
         "first_chunk_p95_ms": round(m["first_chunk_ms"]["p95"], 1),
         "stack_stalled": u["stack_streams"],
+        "xrt": round(m["xrt"] or 0.0, 1),
         "excess_p99_ms": round(u["excess_buffer_ms"]["p99"], 1),
         "first_chunk_stages_ms": {k: round(st.get(f"{k}_ms", 0.0), 1) for k in keys},
         "batches": len(sim.batches),
@@ -605,7 +838,7 @@ def capacity(probes: list[dict]) -> float:
 def knob_configs() -> dict[str, SimConfig]:
     """The settings compared in docs/BENCHMARKS.md ("Simulated knobs"): one or two flags of
     the services each, the rest as bench/run_capacity_gpu.sh ran them in the fifth run."""
-    base = SimConfig()
+    base = SimConfig(graph_max_frames=0)  # the fifth run: graphs up to 64 rows, no cache
     pol = base.policy
 
     def flow(**kw) -> BatchPolicy:
@@ -665,6 +898,121 @@ def knob_table(seeds: int = 12, duration: float = 15.0) -> str:
     return "\n".join(lines)
 
 
+# bench/profile_prefix.py on an H200 (bf16, fused norms; 2026-12-03): B streams each running a
+# 10 s utterance's calls 0/1/2/final, ms per batch. Their sequences (num_seq_frames, what the
+# DiT runs and the graphs pad) are 200/300/500/650 frames; the script names them by their
+# tokens' frames, 206/306/506/656 with the 3 lookahead tokens
+PROFILE_FRAMES = (200, 300, 500, 650)
+PROFILE_MS = {
+    16: ((103, 141, 208, 314), (356, 367, 369, 364), (389, 379, 406, 393)),
+    32: ((163, 245, 387, 591), (331, 386, 407, 559), (322, 401, 368, 557)),
+    48: ((241, 347, 574, 863), (393, 379, 583, 818), (280, 214, 323, 820)),
+    64: ((310, 461, 767, 1153), (305, 474, 775, 1080), (350, 224, 396, 1083)),
+}
+
+
+def profile_model(fit: FlowCostFit, rows: int) -> tuple[tuple[float, ...], ...]:
+    """`FlowCostFit`'s ms for PROFILE_MS's batches: graphed, eager, eager with the prefix
+    cache (each call reads the blocks the one before stored, up to its first returned frame,
+    and stores its complete blocks; the final call recomputes everything)."""
+    graphed = tuple(1e3 * fit.graphed_s(rows, f) for f in PROFILE_FRAMES)
+    eager = tuple(1e3 * fit.eager_s(rows, f) for f in PROFILE_FRAMES)
+    cached, prev = [], 0
+    for i, f in enumerate(PROFILE_FRAMES):
+        final = i + 1 == len(PROFILE_FRAMES)
+        out_start = PROFILE_FRAMES[i - 1] if i else 0  # the previous call's last frame
+        prefix = 0 if final else min(prev, out_start // BLOCK_FRAMES * BLOCK_FRAMES)
+        end = 0 if final else f // BLOCK_FRAMES * BLOCK_FRAMES
+        stored = rows * max(0, end - prefix)
+        cached.append(1e3 * fit.eager_s(rows, f, f - prefix, stored))
+        prev = max(prev, end)
+    return graphed, eager, tuple(cached)
+
+
+SIXTH_RUN_AT_ONCE = (9.375, 10.48, 11.72)  # the sixth run's capacity probes, tokens at once
+SIXTH_RUN_PACED = (6.0, 6.7, 7.5)  # and at 50 tokens/s (start buffer 240 ms)
+
+
+def graph_cache_table(seeds: int = 8, duration: float = 15.0) -> str:
+    """Markdown: the flow's batch costs against bench/profile_prefix.py, then the sixth run's
+    figures (start buffer 240 ms, 4 gateways) with and without --graph-max-frames."""
+    fit = FlowCostFit()
+    lines = [
+        "| rows | graphed: measured (model) ms, calls 0 / 1 / 2 / final | eager | eager + cache |",
+        "|---|---|---|---|",
+    ]
+    for rows, measured in PROFILE_MS.items():
+        cells = [
+            " / ".join(f"{m} ({round(x)})" for m, x in zip(meas, model, strict=True))
+            for meas, model in zip(measured, profile_model(fit, rows), strict=True)
+        ]
+        lines.append(f"| {rows} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| --graph-max-frames | closed loop 64: xRT, first chunk p50 / p95 ms, stalled | at "
+        "once 9.375 / 10.48 / 11.72 per s: on time, p95 ms | 50 tokens/s 6.0 / 6.7 / 7.5 per "
+        "s: on time, p95 ms | eager batches, computed / sequence frames |",
+        "|---|---|---|---|---|",
+    ]
+    for bound in (12288, 0):
+        cfg = SimConfig(start_buffer_s=0.24, graph_max_frames=bound)
+        sim = Simulation(cfg)
+        for i in range(64):
+            sim.add_stream(f"c{i}", i * 0.0004, 0.0)
+        recs = sim.run()
+        c = _figures(sim, recs, max(r.closed for r in recs))
+        eager = sum(not b["graphed"] for b in sim.batches)
+        once = [probe(cfg, r, 0.0, seeds, duration) for r in SIXTH_RUN_AT_ONCE]
+        paced = [probe(cfg, r, 50.0, seeds, duration) for r in SIXTH_RUN_PACED]
+
+        def cells(ps: list[dict]) -> str:
+            return " / ".join(f"{_share(p)}, {p['first_chunk_p95_ms']:.0f}" for p in ps)
+
+        lines.append(
+            f"| {bound} | {c['xrt']:.0f}, {c['first_chunk_p50_ms']:.0f} / "
+            f"{c['first_chunk_p95_ms']:.0f}, {c['stack_stalled']} | {cells(once)} | "
+            f"{cells(paced)} | {eager} of {len(sim.batches)}, "
+            f"{sim.computed_frames / max(1, sim.seq_frames):.2f} |"
+        )
+    return "\n".join(lines)
+
+
+# the H200 overload runs: (gateways in front, start buffer s, rate streams/s, seconds, headrooms)
+OVERLOAD_RUNS = ((1, 0.24, 18.75, 20.0, (0.8, 0.6)), (2, 0.15, 21.6, 15.0, (0.8,)))
+
+
+def admission_table(seeds: int = 6) -> str:
+    """Markdown: overload (Poisson, tokens at once) through the gateways' admission, the rule
+    before 080b335 against today's, as the H200 ran it (OVERLOAD_RUNS); per seed and pooled."""
+    lines = [
+        "| gateways, buffer, rate x s | headroom | rule | admitted / refused per run | "
+        "admitted on time: pooled; per seed | first chunk p95 ms per seed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for gateways, buffer_s, rate, duration, headrooms in OVERLOAD_RUNS:
+        for headroom in headrooms:
+            for name, rule in (("old", WorstCaseAdmission), ("new", AdmissionController)):
+                cfg = SimConfig(
+                    gateways=gateways,
+                    start_buffer_s=buffer_s,
+                    admission=AdmissionConfig(enabled=True, headroom=headroom),
+                    admission_rule=rule,
+                )
+                runs = [overload(cfg, rate, duration, 0.0, seed) for seed in range(seeds)]
+                adm = sum(r["admitted"] for r in runs)
+                lines.append(
+                    f"| {gateways}, {buffer_s * 1e3:.0f} ms, {rate:g}/s x {duration:g} s | "
+                    f"{headroom} | {name} | {adm / seeds:.0f} / "
+                    f"{sum(r['refused'] for r in runs) / seeds:.0f} | "
+                    f"{100 * sum(r['on_time'] for r in runs) / adm:.1f} %; "
+                    + " ".join(f"{100 * r['on_time_share']:.0f}" for r in runs)
+                    + " | "
+                    + " ".join(f"{r['first_chunk_p95_ms']:.0f}" for r in runs)
+                    + " |"
+                )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=64, help="closed-loop streams")
@@ -685,6 +1033,7 @@ def main(argv=None) -> None:
         ("--urgent-slack-ms", base.vocoder_urgent_slack_s * 1e3, float, "vocoder, 0: off"),
         ("--urgent-max-frames", base.vocoder_urgent_max_frames, int, "vocoder urgent batch"),
         ("--gateways", base.gateways, int, "gateway processes, streams round robin"),
+        ("--graph-max-frames", base.graph_max_frames, int, "flow: graphs up to rows x frames"),
     ]:
         knobs.add_argument(flag, type=kind, default=default, help=f"{what} (%(default)s)")
     ap.add_argument(
@@ -692,9 +1041,43 @@ def main(argv=None) -> None:
         action="store_true",
         help="print the table of simulated knob settings (docs/BENCHMARKS.md) and stop",
     )
+    adm = ap.add_argument_group(
+        "admission (the gateway's --admission-...; each gateway process admits its own streams)"
+    )
+    adm.add_argument(
+        "--overload",
+        type=float,
+        default=0.0,
+        metavar="RATE",
+        help="run Poisson arrivals at RATE streams/s (tokens at once) for --overload-seconds "
+        "through the gateways' admission control instead of the runs above, and stop",
+    )
+    adm.add_argument("--overload-seconds", type=float, default=20.0, help="(%(default)s)")
+    adm.add_argument(
+        "--admission-headroom",
+        type=float,
+        default=AdmissionConfig().headroom,
+        help="share of the flow's reported capacity admission plans with (%(default)s)",
+    )
+    adm.add_argument(
+        "--old-admission-rule",
+        action="store_true",
+        help="admit by the rule before commit 080b335 (worst lateness against worst), to compare",
+    )
+    ap.add_argument(
+        "--tables",
+        action="store_true",
+        help="print the tables of docs/BENCHMARKS.md's 'Simulated: graphs or cache per batch, "
+        "and admission' (flow cost fit, the sixth run's figures, overload) and stop",
+    )
     a = ap.parse_args(argv)
     if a.knobs:
         print(knob_table())
+        return
+    if a.tables:
+        print(graph_cache_table())
+        print()
+        print(admission_table())
         return
     policy = replace(base.policy, max_batch_frames=a.max_batch_frames, max_wait_ms=a.max_wait_ms)
     cfg = replace(
@@ -705,7 +1088,16 @@ def main(argv=None) -> None:
         vocoder_urgent_slack_s=a.urgent_slack_ms / 1e3,
         vocoder_urgent_max_frames=a.urgent_max_frames,
         gateways=a.gateways,
+        graph_max_frames=a.graph_max_frames,
     )
+    if a.overload > 0:
+        cfg = replace(
+            cfg,
+            admission=AdmissionConfig(enabled=True, headroom=a.admission_headroom),
+            admission_rule=WorstCaseAdmission if a.old_admission_rule else AdmissionController,
+        )
+        print(json.dumps(overload(cfg, a.overload, a.overload_seconds, 0.0, a.seed)))
+        return
     out = {"closed": closed_loop(cfg, a.streams)}
     print("closed", a.streams, json.dumps(out["closed"]))
     if a.batches:
@@ -727,11 +1119,13 @@ if __name__ == "__main__":
 
 __all__ = [
     "FlowCostFit",
+    "WorstCaseAdmission",
     "SimConfig",
     "Simulation",
     "VocoderCostFit",
     "capacity",
     "closed_loop",
+    "overload",
     "poisson",
     "probe",
     "replace",
