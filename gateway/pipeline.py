@@ -416,12 +416,12 @@ class StreamPipeline:
                 due = self._due.get(seq)
                 if due is None:
                     due = clock.due(chunk, self._ready_at[seq], project=True)
-                items.append((due, TOKEN_MEL_RATIO * (n_p + chunk.num_tokens)))
+                items.append((due, chunk.num_seq_frames(n_p)))
         planner = copy.copy(self.planner)
         total = self.num_tokens if self.ended else max(expected_tokens, self.num_tokens + 1)
         while (chunk := planner.next_call(total, True)) is not None:
             due = clock.due(chunk, now, project=True)
-            items.append((due, TOKEN_MEL_RATIO * (n_p + chunk.num_tokens)))
+            items.append((due, chunk.num_seq_frames(n_p)))
         return items
 
     # -- the whole stream --------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from token2wav import TOKEN_MEL_RATIO
 from token2wav.errors import InvalidArgument
 
 BLOCK_TOKENS = 25  # a 50-frame attention block
@@ -107,6 +108,12 @@ class FlowCall:
         """Tokens whose mel this chunk adds."""
         end = self.num_tokens if self.finalize else self.num_tokens - LOOKAHEAD_TOKENS
         return end - self.token_offset
+
+    def num_seq_frames(self, num_prompt_tokens: int) -> int:
+        """The call's DiT sequence length (prompt + every target frame up to this chunk's end;
+        lookahead tokens are context, not frames): the unit of the flow's cost model and of
+        the capacity it reports (FlowRequest.num_seq_frames)."""
+        return TOKEN_MEL_RATIO * (num_prompt_tokens + self.token_offset + self.num_emit_tokens)
 
 
 class ChunkPlanner:

@@ -282,6 +282,25 @@ async def test_admission_does_not_blame_the_new_stream_for_existing_lateness():
     assert not ctl.check(FakeStream([(0.0, 100)]))[0]  # jumps ahead: makes it later
 
 
+def test_admission_counts_work_in_the_flows_unit_dit_sequence_frames():
+    """A chunk's work for admission is the DiT sequence length the flow's cost model and its
+    reported capacity count (FlowRequest.num_seq_frames): lookahead tokens are context."""
+    from test_flow_model import make_voice as flow_voice
+
+    from flow_service.model import FlowRequest
+    from gateway.schedule import ChunkPlanner
+
+    voice = flow_voice(3, 75)
+    tokens = torch.zeros(250, dtype=torch.long)
+    planner = ChunkPlanner(75)
+    frames = []
+    while (c := planner.next_call(250, True)) is not None:
+        req = FlowRequest(voice, tokens[: c.num_tokens], c.token_offset, c.finalize, c.streaming)
+        assert c.num_seq_frames(75) == req.num_seq_frames
+        frames.append(req.num_seq_frames)
+    assert frames == [200, 300, 500, 650]
+
+
 async def test_admission_refuses_a_newcomer_late_behind_a_late_stream():
     """Overload: one admitted chunk is already estimated 0.5 s late. A newcomer whose first
     chunk would queue behind it and be late itself is refused, although the worst lateness

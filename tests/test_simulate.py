@@ -383,14 +383,14 @@ def test_admission_sees_a_stream_through_the_pipelines_own_remaining_work():
     s = sim.streams[0]
     view = _AdmissionView(s, 75)
     items = view.remaining_work(0.0, 250)
-    # the gateway counts a call's tokens with its lookahead: 2 x (75 + 28) = 206 frames
-    assert [f for _, f in items] == [206, 306, 506, 650]
+    # DiT sequence frames, the flow's capacity unit: lookahead tokens are context, not frames
+    assert [f for _, f in items] == [200, 300, 500, 650]
     dl = DeadlineConfig()
     assert items[0][0] == pytest.approx(dl.first_chunk_target_s - dl.margin_s)
     assert [d for d, _ in items] == sorted(d for d, _ in items)
     sim.clock.run(until=0.0)  # admitted at open; all 250 tokens in
     assert s.view is not None and sim.admission[0].streams == {s.view}
-    assert [f for _, f in s.view.remaining_work(0.0, 250)] == [206, 306, 506, 650]
+    assert [f for _, f in s.view.remaining_work(0.0, 250)] == [200, 300, 500, 650]
     sim.run()
     assert s.rec.final_seen and not sim.admission[0].streams  # released at its last chunk
     assert s.view is None
