@@ -66,7 +66,7 @@ from bench.metrics import StreamRecord, summarize
 from bench.workload import chunk_needs, poisson_arrivals
 from flow_service.costmodel import CostModel
 from flow_service.model.config import BLOCK_FRAMES
-from flow_service.runner import graph_rows
+from flow_service.runner import graph_fits, graph_rows
 from flow_service.scheduler import BatchPolicy, PendingCall, Plan, Scheduler
 from gateway.admission import AdmissionConfig, AdmissionController, CapacityBoard, edf_lateness
 from gateway.deadlines import VOCODER_HOLDBACK_FRAMES, DeadlineConfig, PlaybackClock
@@ -278,23 +278,12 @@ def _now(coro):
 class WorstCaseAdmission(AdmissionController):
     """The gateway's admission rule before commit 080b335 (worst against worst): admit when the
     largest EDF lateness with the newcomer is within max(tolerance, the largest without it).
-    Kept here only to compare the rules; the gateway runs `AdmissionController.check`."""
+    Kept here only to compare the rules: it replaces `AdmissionController.lateness_caused`."""
 
-    def check(self, stream) -> tuple[bool, str]:
-        if not self.config.enabled:
-            return True, ""
-        capacity = self.capacity()
-        if capacity <= 0:
-            return True, ""
-        now = self.clock()
-        n = self.config.expected_tokens
-        items = [i for s in self.streams for i in s.remaining_work(now, n)]
-        new = stream.remaining_work(now, n)
+    def lateness_caused(self, items, new, capacity: float, now: float) -> float:
         before = max(edf_lateness(items, capacity, now), default=-math.inf)
         after = max(edf_lateness(items + new, capacity, now), default=-math.inf)
-        if after <= max(self.config.tolerance_s, before):
-            return True, ""
-        return False, f"worst lateness {after * 1e3:.0f} ms"
+        return -math.inf if after <= max(self.config.tolerance_s, before) else after
 
 
 @dataclass(eq=False)
@@ -524,9 +513,8 @@ class Simulation:
     def graphed(self, plan: Plan) -> bool:
         """flow_service/runner.py `FlowRunner.graphed`: graphs up to graph_rows rows and,
         with graph_max_frames, up to that many rows x longest sequence frames."""
-        rows, bound = len(plan.calls), self.c.graph_max_frames
-        return rows <= self.c.flow_cost.graph_rows and not (
-            bound and rows * plan.padded_len > bound
+        return graph_fits(
+            len(plan.calls), plan.padded_len, self.c.flow_cost.graph_rows, self.c.graph_max_frames
         )
 
     def _batch_s(self, plan: Plan) -> float:

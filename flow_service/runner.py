@@ -82,6 +82,13 @@ def graph_rows(num_rows: int) -> int:
     return -(-num_rows // GRAPH_ROW_STEP) * GRAPH_ROW_STEP
 
 
+def graph_fits(num_rows: int, longest: int, max_rows: int, max_frames: int) -> bool:
+    """Whether a batch of `num_rows` whose longest DiT sequence is `longest` frames is one
+    graphs take: at most `max_rows` rows and, unless `max_frames` is 0, at most that much
+    work (rows x longest); past it a batch is compute-bound and runs eagerly (FlowRunner)."""
+    return num_rows <= max_rows and not (max_frames and num_rows * longest > max_frames)
+
+
 class FlowRunner:
     """`execute(requests)` runs one batch on the worker thread; results come back by row."""
 
@@ -126,12 +133,10 @@ class FlowRunner:
 
     def graphed(self, requests: list[FlowRequest]) -> bool:
         """Whether this batch replays CUDA graphs (else it runs eagerly, with the cache)."""
-        if self.graphs is None or len(requests) > self.graph_max_batch:
-            return False
-        if not self.graph_max_frames:
-            return True
-        work = len(requests) * max(req.num_seq_frames for req in requests)
-        return work <= self.graph_max_frames
+        longest = max(req.num_seq_frames for req in requests)
+        return self.graphs is not None and graph_fits(
+            len(requests), longest, self.graph_max_batch, self.graph_max_frames
+        )
 
     async def warmup(self, requests: list[FlowRequest]) -> None:
         """Run the model off the loop (kernels, allocator, CUDA graphs) before SERVING."""

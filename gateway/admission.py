@@ -150,6 +150,19 @@ class AdmissionController:
         n = self.config.expected_tokens
         items = [i for s in self.streams for i in s.remaining_work(now, n)]
         new = stream.remaining_work(now, n)
+        worst = self.lateness_caused(items, new, capacity, now)
+        if worst <= self.config.tolerance_s:
+            return True, ""
+        return False, (
+            f"flow capacity: with {len(self.streams)} streams in flight one more would make "
+            f"chunks late by {worst * 1e3:.0f} ms (planning with {capacity:.0f} frames/s); "
+            "retry later"
+        )
+
+    def lateness_caused(self, items, new, capacity: float, now: float) -> float:
+        """The rule (module docstring): the worst lateness admitting the `new` items among the
+        admitted `items` would be to blame for, the newcomer's own or an admitted item's made
+        late or later; at most `tolerance_s` admits."""
         tol = self.config.tolerance_s
         before = edf_lateness(items, capacity, now)
         after = edf_lateness(items + new, capacity, now)  # ties: admitted streams first
@@ -157,13 +170,7 @@ class AdmissionController:
         for was, now_late in zip(before, after):  # what it does to the admitted ones
             if now_late > max(tol, was) + 1e-9:
                 worst = max(worst, now_late)
-        if worst <= tol:
-            return True, ""
-        return False, (
-            f"flow capacity: with {len(self.streams)} streams in flight one more would make "
-            f"chunks late by {worst * 1e3:.0f} ms (planning with {capacity:.0f} frames/s); "
-            "retry later"
-        )
+        return worst
 
     async def admit(self, stream: Workload) -> None:
         """Admit `stream` (it then counts until `release`) or raise RESOURCE_EXHAUSTED."""
