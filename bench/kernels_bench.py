@@ -6,9 +6,8 @@ r"""DiT kernel variants (issue 17 item 2): time, throughput, MFU and exactness o
     PYTHONPATH=. python3 bench/kernels_bench.py --device cpu --preset small --rows 2 \
         --frames 206 --repeats 1 --budget-s 60   # CPU smoke (nothing compiles on the CPU)
 
-Variants (`DiTKernels`, the flow service's --fused-norms / --flex-attention): baseline (SDPA with
-the dense additive bias, unfused norms), fused (compiled gate + residual + LN + modulate), flex
-(compiled FlexAttention with a block mask), fused+flex. Each case is B requests of T frames
+Variants (`DiTKernels`, the flow service's --fused-norms): baseline (SDPA with the dense additive
+bias, unfused norms) and fused (compiled gate + residual + LN + modulate). Each case is B requests of T frames
 (3 s prompt of 75 tokens + the rest emitted tokens), all streaming (non-final, block-causal) or
 all final (full attention), run as one `FlowModel.generate` (10 Euler steps, CFG: 2B solver rows;
 eager, mel left on the device; with --graphs, every variant also as CUDA-graph replays, as the
@@ -58,8 +57,6 @@ from flow_service.model import (
 VARIANTS = {
     "baseline": DiTKernels(),
     "fused": DiTKernels(fused_norms=True),
-    "flex": DiTKernels(flex_attention=True),
-    "fused+flex": DiTKernels(fused_norms=True, flex_attention=True),
 }
 # With --graphs, batches of up to GRAPH_MAX_ROWS requests (the flow service's default
 # --graph-max-batch) also run as the service runs them: CUDA-graph replays.

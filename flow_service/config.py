@@ -59,14 +59,6 @@ def build_parser() -> EnvParser:
         "within rounding; ~19 %% more bf16 frame-steps/s on an H200); no effect on the CPU",
     )
     p.flag(
-        "--flex-attention",
-        type=bool,
-        default=False,
-        help="attend through FlexAttention with a block mask (skips padding and a streaming "
-        "row's later blocks) instead of a dense additive bias; compiled on CUDA when the model "
-        "loads; same mel within rounding",
-    )
-    p.flag(
         "--max-batch-size",
         type=int,
         default=64,
@@ -202,7 +194,6 @@ class FlowConfig:
     dtype: str = "float32"
     bf16_fp32_parts: bool = False
     fused_norms: bool = True  # CUDA only (service_kernels)
-    flex_attention: bool = False
     policy: BatchPolicy = field(default_factory=BatchPolicy)
     cost_prior: CostPrior = field(default_factory=CostPrior)
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
@@ -229,7 +220,6 @@ class FlowConfig:
             dtype=args.dtype,
             bf16_fp32_parts=args.bf16_fp32_parts,
             fused_norms=args.fused_norms,
-            flex_attention=args.flex_attention,
             policy=BatchPolicy(
                 max_batch_size=args.max_batch_size,
                 max_batch_frames=args.max_batch_frames,

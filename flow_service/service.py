@@ -33,7 +33,7 @@ def service_kernels(config: FlowConfig) -> DiTKernels:
     """The flags' kernels. Fused norms only where they compile: on the CPU the fused function
     would run eagerly, the same arithmetic as the plain path in more ops."""
     cuda = torch.device(config.device).type == "cuda"
-    return DiTKernels(fused_norms=config.fused_norms and cuda, flex_attention=config.flex_attention)
+    return DiTKernels(fused_norms=config.fused_norms and cuda)
 
 
 def make_prefix_cache(config: PrefixCacheConfig, model) -> PrefixCache | None:

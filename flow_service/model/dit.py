@@ -2,8 +2,8 @@
 
 Attribute names mirror the upstream state-dict keys (docs/REFERENCE.md §9), so flow.pt loads with
 strict matching; the code itself is written for batched inference: channel-last tensors, one
-attention mask per call built outside the layer loop (a dense additive bias, or a FlexAttention
-block mask), in-place partial rotary. `DiTKernels` picks fused/compiled kernels for the same
+attention mask per call built outside the layer loop (a dense additive bias), in-place partial
+rotary. `DiTKernels` picks fused/compiled kernels for the same
 function.
 
 Dimensions (the legend of docs/DESIGN.md "Shape letters"):
@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from flow_service.model.config import DiTConfig
 
@@ -96,89 +95,6 @@ def ragged_attention_bias(
     return bias.masked_fill_(allowed[:, None], 0.0)
 
 
-def flex_block_mask(
-    seq_lens: torch.Tensor,
-    streaming: torch.Tensor,
-    num_keys: int,
-    block_frames: int,
-    query_start: torch.Tensor | None = None,
-    num_queries: int | None = None,
-) -> FlexMask:
-    """The visibility of `ragged_attention_bias` (padding masked) as a FlexAttention BlockMask:
-    key j is visible to query q of row b, at absolute frame p = query_start[b] + q, iff
-    j < max(seq_lens[b], 1) and (not streaming[b] or j < (p // block + 1) * block).
-
-    Built once per solve (the layers and steps share it); blocks of keys nobody may read (the
-    padding, a streaming row's later blocks) are skipped by the kernel instead of added as -inf.
-    A row of length 0 keeps key 0, as in the bias: every query sees a key, so no NaN."""
-    device = seq_lens.device
-    key_len = seq_lens.clamp(min=1)
-    full = ~streaming.to(device)
-    start = torch.zeros_like(seq_lens) if query_start is None else query_start.to(device)
-    num_queries = num_keys if num_queries is None else num_queries
-    return FlexMask.build(key_len, full, start, block_frames, num_queries, num_keys)
-
-
-_BLOCK_MASK_TENSORS = (
-    "kv_num_blocks",
-    "kv_indices",
-    "full_kv_num_blocks",
-    "full_kv_indices",
-    "q_num_blocks",
-    "q_indices",
-    "full_q_num_blocks",
-    "full_q_indices",
-)
-
-
-@dataclass
-class FlexMask:
-    """A FlexAttention BlockMask and the per-row tensors its mask function reads through a
-    closure: key length (>= 1), full-attention flag, absolute frame of the first query, (r,)
-    each.
-
-    A CUDA-graph runner treats it like a tensor input: `shape`/`dtype` key the graph,
-    `static_copy()` makes the buffers a graph captures, `copy_(new)` refills them (the block
-    tables and the per-row tensors) before a replay."""
-
-    block_mask: BlockMask
-    key_len: torch.Tensor
-    full: torch.Tensor
-    start: torch.Tensor
-    block_frames: int
-    dtype = torch.bool  # not a field: a graph key's "dtype" for a mask that is no tensor
-
-    @classmethod
-    def build(cls, key_len, full, start, block_frames, num_queries, num_keys) -> FlexMask:
-        def visible(b, h, q, k):
-            block_end = ((start[b] + q) // block_frames + 1) * block_frames
-            return (k < key_len[b]) & (full[b] | (k < block_end))
-
-        rows, device = key_len.shape[0], key_len.device
-        block_mask = create_block_mask(visible, rows, None, num_queries, num_keys, device=device)
-        return cls(block_mask, key_len, full, start, block_frames)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.block_mask.shape)
-
-    def static_copy(self) -> FlexMask:
-        num_queries, num_keys = self.block_mask.seq_lengths
-        rows = (self.key_len.clone(), self.full.clone(), self.start.clone())
-        return FlexMask.build(*rows, self.block_frames, num_queries, num_keys)
-
-    def copy_(self, src: FlexMask) -> FlexMask:
-        if src.shape != self.shape or src.block_frames != self.block_frames:
-            raise ValueError(f"FlexMask.copy_: shape {src.shape} into {self.shape}")
-        for name in ("key_len", "full", "start"):
-            getattr(self, name).copy_(getattr(src, name))
-        for name in _BLOCK_MASK_TENSORS:
-            dst = getattr(self.block_mask, name)
-            if dst is not None:
-                dst.copy_(getattr(src.block_mask, name))
-        return self
-
-
 def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float):
     """AdaLN: layer norm without affine, then modulate. (r, t, d) -> (r, t, d)."""
     return modulate(F.layer_norm(x, (x.shape[-1],), eps=eps), shift, scale)
@@ -194,8 +110,7 @@ def residual_norm_modulate(x, gate, y, frame_mask, shift, scale, eps: float):
     return x, norm_modulate(x, shift, scale, eps)
 
 
-# Each function compiled here recompiles a few times at most (per dtype; flex also once when
-# a length first changes and for 1-tile lengths); dynamo's default limit of 8 per function could
+# Each function compiled here recompiles a few times at most (per dtype); dynamo's default limit of 8 per function could
 # be reached by a process running both dtypes, after which new shapes would run uncompiled.
 RECOMPILE_LIMIT = 32
 
@@ -253,22 +168,6 @@ _fused_norm_modulate = _Compiled(norm_modulate)
 _fused_residual_norm_modulate = _Compiled(residual_norm_modulate)
 
 
-def _flex_eager(q, k, v, block_mask):
-    return flex_attention(q, k, v, block_mask=block_mask)
-
-
-# FlexAttention's fused kernel exists only compiled; in eager mode it is a dense reference.
-# Automatic dynamic shapes: the first shape compiles static, a second one recompiles with the
-# changed sizes symbolic (the block mask's lengths too), and later lengths reuse that.
-_flex_compiled = _Compiled(_flex_eager, ragged=False)
-
-
-# (rows, queries, keys) that FlexAttention's warm-up compiles: a static shape, a second one that
-# makes the sizes symbolic, then what dynamo specializes apart: one 128-frame tile of queries
-# and/or of keys, and fewer queries than keys (the prefix cache's windows).
-FLEX_WARM_SHAPES = ((2, 100, 100), (4, 300, 300), (3, 40, 40), (4, 100, 300), (4, 200, 300))
-
-
 @dataclass(frozen=True)
 class DiTKernels:
     """Which kernels the DiT runs; every choice computes the same function (within rounding).
@@ -276,13 +175,9 @@ class DiTKernels:
     fused_norms: gate + residual (+ the frame mask) + layer norm + AdaLN modulate as one
         compiled function between sublayers (torch.compile on CUDA; the same function eagerly
         elsewhere unless `compile_cpu`, which exists for tests).
-    flex_attention: `DiT.attention_mask` returns a `FlexMask` (a FlexAttention BlockMask)
-        instead of the dense additive bias: compiled flex on CUDA (eager and in CUDA-graph
-        replays, which refill a static copy), its eager reference elsewhere.
     """
 
     fused_norms: bool = False
-    flex_attention: bool = False
     compile_cpu: bool = False
 
     def compiled(self, x: torch.Tensor) -> bool:
@@ -433,11 +328,7 @@ class Attention(nn.Module):
         q = q.view(r, t, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t, e)
         key = key.view(r, t_keys, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t_keys, e)
         v = v.view(r, t_keys, self.heads, self.dim_head).transpose(1, 2)  # (r, h, t_keys, e)
-        if isinstance(attn_bias, FlexMask):
-            flex = _flex_compiled if q.is_cuda else _flex_eager
-            o = flex(q, key, v, attn_bias.block_mask)  # (r, h, t, e)
-        else:
-            o = F.scaled_dot_product_attention(q, key, v, attn_mask=attn_bias)  # (r, h, t, e)
+        o = F.scaled_dot_product_attention(q, key, v, attn_mask=attn_bias)  # (r, h, t, e)
         o = o.transpose(1, 2).reshape(r, t, self.heads * self.dim_head)  # (r, t, h*e)
         o = self.to_out[0](o)
         # Upstream zeroes padded query frames; keeps padded garbage bounded, valid frames unchanged.
@@ -532,7 +423,7 @@ class DiT(nn.Module):
     def warm_up_kernels(self) -> None:
         """Compile the enabled kernels now (on CUDA, or on the CPU with `compile_cpu`) for the
         shapes they will meet, so that no batch waits for a compile: the fused norms once (their
-        ragged dims are symbolic), FlexAttention for FLEX_WARM_SHAPES. Each compile is logged."""
+        ragged dims are symbolic). Each compile is logged."""
         kernels, cfg = self.kernels, self.cfg
         weight = self.input_embed.proj.weight
         dtype, device, d = weight.dtype, weight.device, cfg.dim
@@ -549,24 +440,6 @@ class DiT(nn.Module):
                 mask = torch.ones(2, 100, 1, dtype=dtype, device=device)
                 _fused_norm_modulate(x, shift_a, scale_a, cfg.norm_eps)
                 _fused_residual_norm_modulate(x, gate_a, y, mask, shift_f, scale_f, cfg.norm_eps)
-            if kernels.flex_attention:
-                for rows, num_queries, num_keys in FLEX_WARM_SHAPES:
-                    # laid out as Attention's: (r, t, h, e) transposed; distinct k and v
-                    # (dynamo guards on strides and on aliasing)
-                    q, k, v = (
-                        torch.zeros(
-                            rows, n, cfg.heads, cfg.dim_head, dtype=dtype, device=device
-                        ).transpose(1, 2)
-                        for n in (num_queries, num_keys, num_keys)
-                    )
-                    lens = torch.full((rows,), num_keys, device=device)
-                    streaming = torch.arange(rows, device=device) % 2 == 0
-                    start = torch.full((rows,), num_keys - num_queries, device=device)
-                    mask = flex_block_mask(
-                        lens, streaming, num_keys, cfg.block_frames, start, num_queries
-                    )
-                    _flex_compiled(q, k, v, mask.block_mask)
-
     def attention_mask(
         self,
         seq_lens: torch.Tensor,
@@ -576,15 +449,10 @@ class DiT(nn.Module):
         query_pos: torch.Tensor | None = None,
         mask_padding: bool = True,
     ):
-        """The attention mask of one solve, built once outside the layer loop: a FlexAttention
-        `FlexMask` with `kernels.flex_attention` (unless `mask_padding` is off, a test's fault), else
-        the additive bias (r, 1, q, num_keys). `query_pos` (r, q) gives each row's absolute
+        """The attention mask of one solve, built once outside the layer loop: the additive bias
+        (r, 1, q, num_keys). `query_pos` (r, q) gives each row's absolute
         query frames, consecutive from its first (the prefix cache); None: 0..num_keys-1."""
         block = self.cfg.block_frames
-        if self.kernels.flex_attention and mask_padding:
-            start = None if query_pos is None else query_pos[:, 0]
-            num_queries = None if query_pos is None else query_pos.shape[1]
-            return flex_block_mask(seq_lens, streaming, num_keys, block, start, num_queries)
         if query_pos is None:
             return attention_bias(seq_lens, streaming, num_keys, block, dtype, mask_padding)
         return ragged_attention_bias(
@@ -612,7 +480,7 @@ class DiT(nn.Module):
         cond: torch.Tensor,  # (r, t, c) prompt mel in the prompt frames, else zero
         spks: torch.Tensor,  # (r, c) projected speaker vector; zero in unconditional rows
         tau: torch.Tensor,  # (r,) fp32 flow time per row
-        attn_bias,  # from `attention_mask`: (r, 1, t, t) additive bias, or a FlexMask
+        attn_bias,  # from `attention_mask`: (r, 1, t, t) additive bias
         frame_mask: torch.Tensor | None = None,  # (r, t, 1) 1 valid / 0 padded, compute dtype
         prefix=None,  # a prefix_cache.DiTPrefix: queries only for the frames after the context
     ) -> torch.Tensor:

@@ -116,7 +116,7 @@ class CFMDecoder(nn.Module):
         mu: torch.Tensor,  # (b, t, c) compute dtype
         cond: torch.Tensor,  # (b, t, c)
         spks: torch.Tensor,  # (b, c)
-        attn_bias,  # (r, 1, t, t) additive, or a FlexMask (DiT.attention_mask)
+        attn_bias,  # (r, 1, t, t) additive (DiT.attention_mask)
         frame_mask: torch.Tensor,  # (r, t, 1)
         estimator: Estimator | None = None,
         between_steps: Callable[[], None] | None = None,

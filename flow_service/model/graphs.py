@@ -6,7 +6,7 @@ way a runner does, and the model stays stateless. Pass it as `estimator=` to
 
 Contract: the returned tensor is a static buffer, overwritten by the next replay; the solver
 consumes it before calling again. x and t are copied on every call; the other inputs (mu,
-cond, speaker, masks (a dense bias or a `FlexMask`): constant over the 10 steps) only when they are not the very same tensor
+cond, speaker, masks (a dense bias): constant over the 10 steps) only when they are not the very same tensor
 objects as on the previous call, so never modify those in place between calls. Another solve
 may replay an entry between two calls of a solve in progress (the engine's preemption runs an
 urgent batch between solver steps): safe because `last_sources` holds the other solve's
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flow_service.model.dit import DiT, FlexMask
+from flow_service.model.dit import DiT
 
 _ALWAYS_COPY = (0, 4)  # x and t change every step; the rest is constant within a solve
 
@@ -86,10 +86,7 @@ class GraphedEstimator:
 
 def _static_copy(src):
     """A copy with the same strides: the attention bias keeps its 16-aligned rows (a plain
-    clone would compact them and SDPA would pad a copy on every replay). A FlexMask (the
-    FlexAttention path) makes its own static buffers; `copy_` refills them like a tensor's."""
-    if isinstance(src, FlexMask):
-        return src.static_copy()
+    clone would compact them and SDPA would pad a copy on every replay)."""
     if 0 in src.stride():
         return src.clone(memory_format=torch.contiguous_format)
     dst = torch.empty_strided(src.size(), src.stride(), dtype=src.dtype, device=src.device)

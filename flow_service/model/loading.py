@@ -191,7 +191,7 @@ def load_flow(
     `preset` (default "small"). With a checkpoint, depth and widths come from its tensors (the
     checkpoint wins; a different `preset` only logs a warning).
 
-    kernels: which DiT kernels run (`DiTKernels`: fused norms, FlexAttention), compiled here
+    kernels: which DiT kernels run (`DiTKernels`: fused norms), compiled here
     (on CUDA) for the shapes they will meet; None: plain."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype: {dtype} not supported (float32 or bfloat16; fp16 overflows)")
