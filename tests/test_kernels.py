@@ -8,7 +8,6 @@ and within bf16 rounding, through a whole solve within 1e-5.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 
 import pytest
@@ -19,7 +18,6 @@ from test_prefix_cache import new_cache, stream_calls
 
 from flow_service.config import FlowConfig, build_parser
 from flow_service.model import DiTKernels, FlowModel, FlowRequest, load_flow
-from flow_service.model import dit as dit_module
 from flow_service.model.dit import (
     DiTLayer,
     norm_modulate,

@@ -440,6 +440,7 @@ class DiT(nn.Module):
                 mask = torch.ones(2, 100, 1, dtype=dtype, device=device)
                 _fused_norm_modulate(x, shift_a, scale_a, cfg.norm_eps)
                 _fused_residual_norm_modulate(x, gate_a, y, mask, shift_f, scale_f, cfg.norm_eps)
+
     def attention_mask(
         self,
         seq_lens: torch.Tensor,
