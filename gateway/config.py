@@ -10,6 +10,7 @@ from gateway.admission import AdmissionConfig
 from gateway.deadlines import DeadlineConfig
 from gateway.inbound import InboundLimits
 from gateway.pipeline import PipelineLimits
+from gateway.schedule import ScheduleConfig
 from token2wav.cli import EnvParser, add_server_flags, prog
 from token2wav.security import TokenAuth, load_tokens
 from token2wav.server import ServerOptions
@@ -117,6 +118,22 @@ def build_parser() -> EnvParser:
         type=float,
         default=50.0,
         help="subtracted from every playback deadline sent downstream (vocoder step, transport)",
+    )
+    p.flag(
+        "--schedule",
+        choices=("upstream", "blocks"),
+        default="upstream",
+        help="chunks of a stream that sets no schedule: upstream's (25 + pad, 50, 100, ... "
+        "tokens; upstream's audio exactly) or every 25-token block as soon as it is computed "
+        "(upstream run with a constant hop of 25); either way each block is computed once",
+    )
+    p.flag(
+        "--final-attention",
+        choices=("full", "chunked"),
+        default="full",
+        help="the last call of a stream that sets none: full attention over the utterance "
+        "(upstream's default, exact) or block-causal reusing the cached blocks (cheaper; the "
+        "last chunk differs, docs/BENCHMARKS.md)",
     )
     p.flag(
         "--start-buffer-ms",
@@ -304,6 +321,10 @@ class GatewayConfig:
                 deadlines,
                 max_vocoder_failovers=args.vocoder_failovers,
                 start_buffer_s=args.start_buffer_ms / 1e3,
+                schedule=dataclasses.replace(
+                    ScheduleConfig.blocks() if args.schedule == "blocks" else ScheduleConfig(),
+                    chunked_final=args.final_attention == "chunked",
+                ),
             ),
             inbound=InboundLimits(
                 first_message_timeout=args.first_tokens_timeout,

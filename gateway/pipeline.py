@@ -2,8 +2,10 @@
 
 Tasks per stream (all cancelled together when the client leaves or anything fails):
   reader   - client messages -> the token list (validated), until EndOfInput
-  planner  - launches a flow call as soon as the schedule allows (bounded in-flight chunks)
-  flow[k]  - one Generate call per chunk; results may come back in any order
+  blocks   - one Generate call per run of 25-token blocks whose tokens + 3 lookahead are in
+             (gateway/schedule.py, "Block calls"), bounded in flight; each block computed once
+  planner  - when the schedule says chunk k is due, assembles its mel from its blocks (or, for
+             the final chunk, makes upstream's final call) (bounded chunks ahead of the vocoder)
   vocoder  - one Session stream to the stream's vocoder replica: mel chunks go out in seq order,
              audio comes back in seq order and is converted for the client; a lost session is
              reopened elsewhere and replayed (gateway/failover.py)
@@ -29,10 +31,16 @@ from gateway.deadlines import DeadlineConfig, PlaybackClock, slack_ms
 from gateway.downstream import FlowClient, FlowOutput, downstream_error
 from gateway.failover import SessionLost, count_failover, detach, lost_reason
 from gateway.routing import ReplicaSet
-from gateway.schedule import ChunkPlanner, FlowCall, ScheduleConfig
-from token2wav import MAX_FRAMES, SAMPLE_RATE, SAMPLES_PER_TOKEN, TOKEN_MEL_RATIO
+from gateway.schedule import (
+    LOOKAHEAD_TOKENS,
+    BlockPlanner,
+    ChunkPlanner,
+    FlowCall,
+    ScheduleConfig,
+)
+from token2wav import MAX_FRAMES, MEL_BINS, SAMPLE_RATE, SAMPLES_PER_TOKEN, TOKEN_MEL_RATIO
 from token2wav.errors import Aborted, InvalidArgument
-from token2wav.tensors import VoiceData, check_header, check_token_ids, decode
+from token2wav.tensors import VoiceData, check_header, check_token_ids, decode, encode
 from token2wav.v1 import common_pb2, gateway_pb2, vocoder_pb2, vocoder_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -50,6 +58,7 @@ class PipelineLimits:
     # A stream whose input is still open when its first audio is ready gets that audio no
     # earlier than this long after the first chunk's tokens (a start buffer, see `_hold_first`).
     start_buffer_s: float = 0.0
+    schedule: ScheduleConfig = ScheduleConfig()  # for streams that set none (--schedule)
 
     def __post_init__(self):
         if self.start_buffer_s < 0:
@@ -77,6 +86,14 @@ def to_client_audio(audio: common_pb2.Tensor, audio_format: int) -> bytes:
     return samples.astype("<i2").tobytes()
 
 
+def _concat(parts: list[FlowOutput]) -> FlowOutput:
+    """One chunk's mel from its block calls' (80, frames) pieces; the timing of the last piece,
+    the call the chunk waited for."""
+    mel = np.concatenate([decode(p.mel, "mel", shape=(MEL_BINS, None)) for p in parts], axis=1)
+    last = parts[-1]
+    return FlowOutput(encode(mel), mel.shape[1], last.queue_ms, last.compute_ms, last.batch_size)
+
+
 class StreamPipeline:
     def __init__(
         self,
@@ -98,6 +115,13 @@ class StreamPipeline:
         self.num_tokens = 0
         self.ended = False
         self.planner = ChunkPlanner(n_p, setup.schedule)
+        self.blocks = BlockPlanner(n_p, setup.schedule)
+        # target token where a block call starts -> its result and its end token
+        self._block_out: dict[int, asyncio.Future[tuple[FlowOutput, int]]] = {}
+        self._block_slots = asyncio.Semaphore(limits.max_inflight_chunks)
+        self._blocks_changed = asyncio.Event()  # tokens came: maybe a block call to make
+        self._blocks_done = asyncio.Event()  # no more block calls will be made
+        self._streaming_end: int | None = None  # once ended: tokens the streaming chunks use
         self._changed = asyncio.Event()
         self._slots = asyncio.Semaphore(limits.max_inflight_chunks)
         self._flow_calls: dict[int, asyncio.Future[FlowCall]] = {}  # seq -> chunk, once planned
@@ -185,13 +209,67 @@ class StreamPipeline:
             else:
                 raise InvalidArgument("message", "empty SynthesizeRequest")
             self._changed.set()
+            self._blocks_changed.set()
         if not self.ended:
             raise InvalidArgument(
                 "end",
                 "stream closed without EndOfInput (a half-close alone does not end the input)",
             )
 
-    # -- planner and flow calls --------------------------------------------------------------
+    # -- block calls, planner and flow calls -------------------------------------------------
+    def _block_future(self, start: int) -> asyncio.Future[tuple[FlowOutput, int]]:
+        fut = self._block_out.get(start)
+        if fut is None:
+            fut = self._block_out[start] = asyncio.get_running_loop().create_future()
+            # a block computed ahead for a chunk the input ended inside is never awaited
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return fut
+
+    def _blocks_wanted(self) -> int:
+        """Tokens the block calls may use: all received while the input is open; after the
+        end, only those of the streaming chunks still to come (the rest go to the final call)."""
+        if not self.ended:
+            return self.num_tokens
+        if self._streaming_end is None:
+            planner, end = ChunkPlanner(self.blocks.num_prompt_tokens, self.setup.schedule), 0
+            while (chunk := planner.next_call(self.num_tokens, True)) is not None:
+                if not chunk.finalize:
+                    end = chunk.num_tokens
+            self._streaming_end = end
+        return self._streaming_end
+
+    async def _compute_blocks(self) -> None:
+        while True:
+            while (call := self.blocks.next_call(self._blocks_wanted())) is not None:
+                await self._block_slots.acquire()
+                tokens = self.tokens[: call.num_tokens].copy()
+                self._spawn(self._block(call, tokens), f"block{call.seq}")
+            if self.ended:
+                self._blocks_done.set()
+                return
+            await self._blocks_changed.wait()
+            self._blocks_changed.clear()
+
+    async def _block(self, call: FlowCall, tokens: np.ndarray) -> None:
+        fut = self._block_future(call.token_offset)
+        end = call.num_tokens - LOOKAHEAD_TOKENS
+        try:
+            out = await self._call_flow(call, tokens, self._block_due(call))
+            fut.set_result((out, end))
+        except Exception as exc:  # noqa: BLE001 - the chunk that needs it fails with it
+            fut.set_exception(exc)
+        finally:
+            self._block_slots.release()
+
+    def _block_due(self, call: FlowCall) -> float:
+        """The playback deadline of the chunk this block goes out in (projected: its tokens
+        may not all be in yet)."""
+        if self.playback is None:
+            return math.inf
+        seq, start, end = self.blocks.chunk_at(call.token_offset)
+        chunk = FlowCall(seq, end + LOOKAHEAD_TOKENS, start, finalize=False, streaming=True)
+        return self.playback.due(chunk, time.monotonic(), project=True)
+
     async def _plan(self) -> None:
         while not self.planner.done:
             await self._changed.wait()
@@ -202,32 +280,52 @@ class StreamPipeline:
                 ready_at = time.monotonic()
                 if self.playback is not None:
                     self._due[chunk.seq] = self.playback.due(chunk, ready_at)
-                await self._slots.acquire()  # bounded in-flight chunks per stream
+                await self._slots.acquire()  # bounded chunks ahead of the vocoder
                 self._ready_at[chunk.seq] = ready_at
                 fut = asyncio.get_running_loop().create_future()
                 self._mels[chunk.seq] = fut
-                tokens = self.tokens[: chunk.num_tokens].copy()
-                self._spawn(self._flow(chunk, tokens, fut), f"flow{chunk.seq}")
+                if chunk.finalize:
+                    tokens = self.tokens[: chunk.num_tokens].copy()
+                    self._spawn(self._final(chunk, tokens, fut), f"flow{chunk.seq}")
+                else:
+                    self._spawn(self._assemble(chunk, fut), f"chunk{chunk.seq}")
                 self._flow_call_future(chunk.seq).set_result(chunk)
         if self.planner.seq == 0:
             raise InvalidArgument("tokens", "the stream ended without any token")
 
-    async def _flow(self, chunk: FlowCall, tokens: np.ndarray, fut: asyncio.Future) -> None:
+    async def _assemble(self, chunk: FlowCall, fut: asyncio.Future) -> None:
+        """A streaming chunk: the frames of its block calls, in order."""
+        parts, start, end = [], chunk.token_offset, chunk.num_tokens - LOOKAHEAD_TOKENS
+        while start < end:
+            out, start = await self._block_future(start)
+            parts.append(out)
+        fut.set_result(_concat(parts) if len(parts) > 1 else parts[0])
+
+    async def _final(self, chunk: FlowCall, tokens: np.ndarray, fut: asyncio.Future) -> None:
+        # After every block call of the stream: the final call ends the stream's cache entry
+        # on the flow replica, which a block call still running would store again.
+        await self._blocks_done.wait()
+        pending = [f for f in self._block_out.values() if not f.done()]
+        if pending:
+            await asyncio.wait(pending)
+        fut.set_result(await self._call_flow(chunk, tokens, self._due.get(chunk.seq, math.inf)))
+
+    async def _call_flow(self, call: FlowCall, tokens: np.ndarray, due: float) -> FlowOutput:
         out = await self.flow.generate(
             request_id=self.setup.request_id,
-            seq=chunk.seq,
+            seq=call.seq,
             voice=self.setup.voice,
             tokens=tokens,
-            token_offset=chunk.token_offset,
-            finalize=chunk.finalize,
-            streaming=chunk.streaming,
+            token_offset=call.token_offset,
+            finalize=call.finalize,
+            streaming=call.streaming,
             timeout=self._timeout(),
-            due=self._due.get(chunk.seq, math.inf),
+            due=due,
         )
-        expected = TOKEN_MEL_RATIO * chunk.num_emit_tokens
+        expected = TOKEN_MEL_RATIO * call.num_emit_tokens
         if out.num_frames != expected:
-            raise RuntimeError(f"flow chunk {chunk.seq}: {out.num_frames} frames, want {expected}")
-        fut.set_result(out)
+            raise RuntimeError(f"flow call {call.seq}: {out.num_frames} frames, want {expected}")
+        return out
 
     # -- vocoder session ---------------------------------------------------------------------
     def _flow_call_future(self, seq: int) -> asyncio.Future[FlowCall]:
@@ -428,6 +526,7 @@ class StreamPipeline:
     async def run(self, requests: AsyncIterator) -> AsyncIterator[gateway_pb2.SynthesizeResponse]:
         self._spawn(self._read(requests), "reader")
         self._spawn(self._plan(), "planner")
+        self._spawn(self._compute_blocks(), "blocks")
         self._spawn(self._vocode(), "vocoder")
         get: asyncio.Future | None = None
         try:

@@ -119,7 +119,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         fmt = cfg.audio_format or gateway_pb2.AUDIO_FORMAT_PCM16
         if fmt not in (gateway_pb2.AUDIO_FORMAT_PCM16, gateway_pb2.AUDIO_FORMAT_FLOAT32):
             raise InvalidArgument("config.audio_format", f"unknown format {fmt}")
-        schedule = ScheduleConfig.from_proto(cfg.schedule)
+        schedule = ScheduleConfig.from_proto(
+            cfg.schedule if cfg.HasField("schedule") else None, self.limits.schedule
+        )
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         return StreamSetup(request_id, voice, fmt, schedule, deadline)

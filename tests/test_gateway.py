@@ -16,6 +16,7 @@ from _stack import start_stack, stream_inputs, until
 
 from flow_service.model import load_flow
 from gateway.client import AsyncClient, load_voice, make_sample, run_synthesis
+from gateway.schedule import ScheduleConfig
 from token2wav import SAMPLES_PER_TOKEN
 from token2wav.tensors import make_voice
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
@@ -107,6 +108,34 @@ async def test_concurrent_streams_equal_reference(models):
         await stack.stop()
 
 
+async def test_client_picked_schedules_equal_upstream_run_that_way(models):
+    """Through the served stack: `blocks` is upstream with a constant hop of 25, and a chunked
+    final is upstream's finalize + streaming last call, each chunk for chunk."""
+    blocks = gateway_pb2.ChunkSchedule(kind=gateway_pb2.SCHEDULE_KIND_BLOCKS)
+    chunked = gateway_pb2.ChunkSchedule(final_attention=gateway_pb2.FINAL_ATTENTION_CHUNKED)
+    cases = [
+        (blocks, ScheduleConfig.blocks(), stream_inputs(3, 40, 140)),
+        (chunked, ScheduleConfig(chunked_final=True), stream_inputs(4, 12, 190)),
+    ]
+    stack = await start_stack(models)
+    try:
+        async with AsyncClient(stack.target) as client:
+            results = await asyncio.gather(
+                *[
+                    run_stream(client, v, t, seed=i, schedule=msg)
+                    for i, (msg, _, (v, t)) in enumerate(cases)
+                ]
+            )
+        for (_, config, (v, t)), chunks in zip(cases, results):
+            check_exactly_once(chunks, len(t))
+            ref_chunks = reference_synthesis(*models, v, t, config)
+            assert [c.samples.size for c in chunks] == [r.size for r in ref_chunks]
+            for c, r in zip(chunks, ref_chunks):
+                assert snr_db(c.samples, r) >= 60, (config, c.seq, snr_db(c.samples, r))
+    finally:
+        await stack.stop()
+
+
 async def test_out_of_order_flow_results_keep_audio(models):
     returned = []  # token_offset of each flow call, in the order the calls came back
     two_back = asyncio.Event()
@@ -122,7 +151,8 @@ async def test_out_of_order_flow_results_keep_audio(models):
 
     stack = await start_stack(models, flow_around=around)
     try:
-        voice, tokens = stream_inputs(42, 25, 140)
+        # blocks [0, 25), [25, 75), [75, 175), then the final call (which waits for them all)
+        voice, tokens = stream_inputs(42, 25, 240)
         async with AsyncClient(stack.target) as client:
             stream = client.stream(voice, audio_format="float32")
             await stream.send(tokens)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from gateway.schedule import ChunkPlanner, ScheduleConfig
+from gateway.schedule import LOOKAHEAD_TOKENS, BlockPlanner, ChunkPlanner, ScheduleConfig
 from token2wav.errors import InvalidArgument
 from token2wav.v1 import gateway_pb2
 
@@ -76,12 +76,11 @@ def test_overrides_and_their_validation():
         (dict(first_hop_tokens=10), "first_hop_tokens"),  # off the 50-frame grid
         (dict(max_hop_tokens=110), "max_hop_tokens"),
         (dict(disable_prompt_pad=True), "disable_prompt_pad"),
-        (dict(max_hop_tokens=50), "max_hop_tokens"),  # 25, 50, 50, ... < 25, 50, 100
-        (dict(hop_scale=1), "hop_scale"),  # 25, 25, ... < 25, 50
-        (dict(first_hop_tokens=50, hop_scale=1), "hop_scale"),  # 50, 50, 50 < 100 at step 2
+        (dict(kind=7), "kind"),
+        (dict(final_attention=9), "final_attention"),
     ],
 )
-def test_client_schedules_keep_blocks_and_cost(fields, bad):
+def test_client_schedules_off_the_block_grid_are_refused(fields, bad):
     with pytest.raises(InvalidArgument) as info:
         ScheduleConfig.from_proto(gateway_pb2.ChunkSchedule(**fields))
     assert info.value.field == f"config.schedule.{bad}"
@@ -89,9 +88,72 @@ def test_client_schedules_keep_blocks_and_cost(fields, bad):
 
 @pytest.mark.parametrize(
     "fields",
-    [dict(), dict(first_hop_tokens=50), dict(max_hop_tokens=200, hop_scale=4), dict(hop_scale=8)],
+    [
+        dict(),
+        dict(first_hop_tokens=50),
+        dict(max_hop_tokens=200, hop_scale=4),
+        dict(hop_scale=8),
+        # smaller hops than upstream's: each block is computed once, so they cost no more
+        dict(max_hop_tokens=50),
+        dict(hop_scale=1),
+    ],
 )
-def test_client_schedules_that_cost_no_more_are_accepted(fields):
+def test_client_schedules_on_the_block_grid_are_accepted(fields):
     cfg = ScheduleConfig.from_proto(gateway_pb2.ChunkSchedule(**fields))
     assert cfg.is_exact()
-    assert cfg.first_smaller_hop(ScheduleConfig()) is None
+    BlockPlanner(75, cfg)
+
+
+def test_schedule_kinds_and_the_gateway_default():
+    blocks = ScheduleConfig.blocks()
+    assert blocks.hops(4) == [25, 25, 25, 25]
+    kind = gateway_pb2.ChunkSchedule
+    assert ScheduleConfig.from_proto(None) == ScheduleConfig()
+    assert ScheduleConfig.from_proto(None, blocks) == blocks
+    assert ScheduleConfig.from_proto(kind(), blocks) == blocks  # unspecified: the default
+    assert ScheduleConfig.from_proto(kind(kind=gateway_pb2.SCHEDULE_KIND_UPSTREAM), blocks) == (
+        ScheduleConfig()
+    )
+    assert ScheduleConfig.from_proto(kind(kind=gateway_pb2.SCHEDULE_KIND_BLOCKS)) == blocks
+    chunked = ScheduleConfig.from_proto(kind(final_attention=gateway_pb2.FINAL_ATTENTION_CHUNKED))
+    assert chunked.chunked_final and not ScheduleConfig().chunked_final
+    final = drain(ChunkPlanner(75, chunked), 40, True)[-1]
+    assert final.finalize and final.streaming  # upstream's finalize=True, streaming=True
+
+
+def block_calls(num_prompt: int, cfg: ScheduleConfig, arrivals: list[int]):
+    """(token count when made, first token, end token) of each block call, tokens arriving
+    in the given cumulative counts."""
+    planner, out = BlockPlanner(num_prompt, cfg), []
+    for n in arrivals:
+        while (call := planner.next_call(n)) is not None:
+            assert not call.finalize and call.streaming
+            out.append((n, call.token_offset, call.num_tokens - LOOKAHEAD_TOKENS))
+    return out
+
+
+@pytest.mark.parametrize("num_prompt", [75, 70, 60, 51])  # prompt pads 0, 5, 15, 24
+def test_block_calls_tile_every_chunk_one_block_at_a_time(num_prompt):
+    pad = -num_prompt % 25
+    calls = block_calls(num_prompt, ScheduleConfig(), list(range(400)))
+    # one call per block, made the moment its tokens + 3 lookahead are in
+    ends = [pad + 25 * (j + 1) for j in range(len(calls))]
+    assert [c[2] for c in calls] == ends
+    assert [c[0] for c in calls] == [e + LOOKAHEAD_TOKENS for e in ends]
+    assert [c[1] for c in calls] == [0, *ends[:-1]]
+    # the blocks tile upstream's chunks: every chunk boundary is a block boundary
+    chunks = drain(ChunkPlanner(num_prompt), 400, False)
+    bounds = {c[1] for c in calls} | {c[2] for c in calls}
+    assert all(c.token_offset in bounds for c in chunks)
+
+
+def test_block_calls_group_what_is_there_but_never_cross_a_chunk():
+    # tokens all at once: one call per chunk (25 + 5, 50, 100, 100)
+    calls = block_calls(70, ScheduleConfig(), [400])
+    assert [(c[1], c[2]) for c in calls] == [(0, 30), (30, 80), (80, 180), (180, 280), (280, 380)]
+    # bursts: what is complete, up to the chunk's end
+    calls = block_calls(70, ScheduleConfig(), [40, 130, 400])
+    assert [(c[1], c[2]) for c in calls][:4] == [(0, 30), (30, 80), (80, 105), (105, 180)]
+    # the blocks schedule: one block per call even at once
+    calls = block_calls(70, ScheduleConfig.blocks(), [400])
+    assert all(c[2] - c[1] == 25 for c in calls[1:]) and calls[0][1:] == (0, 30)

@@ -13,9 +13,27 @@ class AudioFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUDIO_FORMAT_UNSPECIFIED: _ClassVar[AudioFormat]
     AUDIO_FORMAT_PCM16: _ClassVar[AudioFormat]
     AUDIO_FORMAT_FLOAT32: _ClassVar[AudioFormat]
+
+class ScheduleKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SCHEDULE_KIND_UNSPECIFIED: _ClassVar[ScheduleKind]
+    SCHEDULE_KIND_UPSTREAM: _ClassVar[ScheduleKind]
+    SCHEDULE_KIND_BLOCKS: _ClassVar[ScheduleKind]
+
+class FinalAttention(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINAL_ATTENTION_UNSPECIFIED: _ClassVar[FinalAttention]
+    FINAL_ATTENTION_FULL: _ClassVar[FinalAttention]
+    FINAL_ATTENTION_CHUNKED: _ClassVar[FinalAttention]
 AUDIO_FORMAT_UNSPECIFIED: AudioFormat
 AUDIO_FORMAT_PCM16: AudioFormat
 AUDIO_FORMAT_FLOAT32: AudioFormat
+SCHEDULE_KIND_UNSPECIFIED: ScheduleKind
+SCHEDULE_KIND_UPSTREAM: ScheduleKind
+SCHEDULE_KIND_BLOCKS: ScheduleKind
+FINAL_ATTENTION_UNSPECIFIED: FinalAttention
+FINAL_ATTENTION_FULL: FinalAttention
+FINAL_ATTENTION_CHUNKED: FinalAttention
 
 class SynthesizeRequest(_message.Message):
     __slots__ = ("config", "tokens", "end")
@@ -42,16 +60,20 @@ class StreamConfig(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., inline_voice: _Optional[_Union[_common_pb2.Voice, _Mapping]] = ..., voice_id: _Optional[str] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., schedule: _Optional[_Union[ChunkSchedule, _Mapping]] = ...) -> None: ...
 
 class ChunkSchedule(_message.Message):
-    __slots__ = ("first_hop_tokens", "max_hop_tokens", "hop_scale", "disable_prompt_pad")
+    __slots__ = ("first_hop_tokens", "max_hop_tokens", "hop_scale", "disable_prompt_pad", "kind", "final_attention")
     FIRST_HOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_HOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOP_SCALE_FIELD_NUMBER: _ClassVar[int]
     DISABLE_PROMPT_PAD_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    FINAL_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     first_hop_tokens: int
     max_hop_tokens: int
     hop_scale: int
     disable_prompt_pad: bool
-    def __init__(self, first_hop_tokens: _Optional[int] = ..., max_hop_tokens: _Optional[int] = ..., hop_scale: _Optional[int] = ..., disable_prompt_pad: _Optional[bool] = ...) -> None: ...
+    kind: ScheduleKind
+    final_attention: FinalAttention
+    def __init__(self, first_hop_tokens: _Optional[int] = ..., max_hop_tokens: _Optional[int] = ..., hop_scale: _Optional[int] = ..., disable_prompt_pad: _Optional[bool] = ..., kind: _Optional[_Union[ScheduleKind, str]] = ..., final_attention: _Optional[_Union[FinalAttention, str]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("tokens",)
