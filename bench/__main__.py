@@ -121,6 +121,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     w.add_argument("--pace", type=float, default=0.0, help="tokens/s per stream; 0: all at once")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--audio-format", default="pcm16", choices=["pcm16", "float32"])
+    w.add_argument(
+        "--schedule",
+        default="upstream",
+        choices=["upstream", "blocks"],
+        help="chunk schedule each stream asks for (StreamConfig)",
+    )
     w.add_argument("--warmup-streams", type=int, default=4, help="per run, not measured")
     w.add_argument("--stream-timeout", type=float, default=600.0, help="deadline per stream, s")
     w.add_argument(
@@ -264,7 +270,9 @@ def run_benchmark(
     a: argparse.Namespace, argv: list[str] | None, threads: int = 0
 ) -> tuple[list[dict], Path]:
     cfg = _sweep_config(a)
-    workload = WorkloadConfig(a.prompt_tokens, a.utterance_tokens, a.pace, a.seed, a.audio_format)
+    workload = WorkloadConfig(
+        a.prompt_tokens, a.utterance_tokens, a.pace, a.seed, a.audio_format, a.schedule
+    )
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     env = environment(argv)

@@ -460,7 +460,9 @@ def run(a, argv: list[str]) -> dict:
     t_start = time.monotonic()
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    workload = WorkloadConfig(a.prompt_tokens, a.utterance_tokens, 0.0, a.seed, a.audio_format)
+    workload = WorkloadConfig(
+        a.prompt_tokens, a.utterance_tokens, 0.0, a.seed, a.audio_format, a.schedule
+    )
     utt_s = workload.utterance_seconds
     criteria = Criteria(a.on_time_share, a.first_chunk_p95_ms)
     env = environment(argv)

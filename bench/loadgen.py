@@ -33,6 +33,7 @@ import numpy as np
 
 from bench.metrics import StreamRecord
 from bench.workload import (
+    SCHEDULE_KINDS,
     InvalidConfig,
     WorkloadConfig,
     chunk_needs,
@@ -42,6 +43,7 @@ from bench.workload import (
 )
 from gateway.client import AsyncClient, AsyncStream
 from token2wav.tensors import VoiceData
+from token2wav.v1 import gateway_pb2
 
 
 class Progress:
@@ -131,7 +133,11 @@ async def drive_stream(
     rec.token_sent = [0.0] * tokens.size
     rec.opened = time.perf_counter()
     stream = client.stream(
-        voice, audio_format=workload.audio_format, request_id=rec.stream_id, timeout=timeout
+        voice,
+        audio_format=workload.audio_format,
+        request_id=rec.stream_id,
+        timeout=timeout,
+        schedule=gateway_pb2.ChunkSchedule(kind=SCHEDULE_KINDS[workload.schedule]),
     )
     feeder = asyncio.ensure_future(_feed(stream, tokens, workload.pace, rec))
     try:
@@ -173,9 +179,12 @@ async def drive_stream(
     return rec
 
 
-def new_record(stream_id: str, voice: VoiceData, tokens: np.ndarray) -> StreamRecord:
+def new_record(
+    stream_id: str, voice: VoiceData, tokens: np.ndarray, workload: WorkloadConfig
+) -> StreamRecord:
+    n = int(tokens.size)
     return StreamRecord(
-        stream_id, int(tokens.size), chunk_needs(voice.num_prompt_tokens, int(tokens.size))
+        stream_id, n, chunk_needs(voice.num_prompt_tokens, n, workload.schedule_config)
     )
 
 
@@ -262,7 +271,7 @@ async def _warmup(
     for i in range(part, plan.warmup_streams, plan.procs):
         voice = plan.voice(i % max(1, num_voices))
         tokens = make_tokens(workload.seed, i, workload.utterance_tokens, warmup=True)
-        rec = new_record(f"{plan.run_id}-warmup-{i}", voice, tokens)
+        rec = new_record(f"{plan.run_id}-warmup-{i}", voice, tokens, workload)
         jobs.append((_route(plan, clients, i, rec), voice, tokens, rec))
     timeout = plan.stream_timeout_s
     await asyncio.gather(*(drive_stream(c, v, t, workload, r, timeout) for c, v, t, r in jobs))
@@ -281,7 +290,7 @@ async def _closed(plan, clients, part, start, on_done, records) -> tuple[float, 
         for k in range(k_per):
             idx = w * k_per + k
             tokens = make_tokens(plan.workload.seed, idx, plan.workload.utterance_tokens)
-            rec = new_record(f"{plan.run_id}-{idx}", voices[w], tokens)
+            rec = new_record(f"{plan.run_id}-{idx}", voices[w], tokens, plan.workload)
             records.append(rec)
             client = _route(plan, clients, k * c + w, rec)
             await drive_stream(client, voices[w], tokens, plan.workload, rec, plan.stream_timeout_s)
@@ -311,7 +320,7 @@ async def _open(plan, clients, part, start, on_done, records) -> tuple[float, bo
 
     async def one(i: int) -> None:
         voice, tokens = inputs[i]
-        rec = new_record(f"{plan.run_id}-{i}", voice, tokens)
+        rec = new_record(f"{plan.run_id}-{i}", voice, tokens, plan.workload)
         records.append(rec)
         client = _route(plan, clients, i, rec)
         try:

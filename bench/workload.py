@@ -15,6 +15,13 @@ import numpy as np
 from gateway.schedule import ChunkPlanner, ScheduleConfig
 from token2wav import MEL_BINS, SPK_EMBED_DIM, TOKEN_MEL_RATIO, VOCAB_SIZE
 from token2wav.tensors import VoiceData, make_voice
+from token2wav.v1 import gateway_pb2
+
+SCHEDULES = {"upstream": ScheduleConfig(), "blocks": ScheduleConfig.blocks()}
+SCHEDULE_KINDS = {
+    "upstream": gateway_pb2.SCHEDULE_KIND_UPSTREAM,
+    "blocks": gateway_pb2.SCHEDULE_KIND_BLOCKS,
+}
 
 TOKEN_RATE = 25  # speech tokens per second of audio (25 Hz)
 
@@ -37,6 +44,7 @@ class WorkloadConfig:
     pace: float = 0.0  # tokens/s sent per stream, like an LLM; 0: all at once
     seed: int = 0
     audio_format: str = "pcm16"  # what a player would ask for; float32 doubles the bytes
+    schedule: str = "upstream"  # the chunk schedule each stream asks for (StreamConfig)
 
     def __post_init__(self):
         if not 1 <= self.prompt_tokens <= 750:
@@ -47,6 +55,12 @@ class WorkloadConfig:
             raise InvalidConfig("pace", f"{self.pace}, want >= 0 tokens/s")
         if self.audio_format not in ("pcm16", "float32"):
             raise InvalidConfig("audio_format", f"{self.audio_format!r}, want pcm16 or float32")
+        if self.schedule not in SCHEDULES:
+            raise InvalidConfig("schedule", f"{self.schedule!r}, want upstream or blocks")
+
+    @property
+    def schedule_config(self) -> ScheduleConfig:
+        return SCHEDULES[self.schedule]
 
     @property
     def utterance_seconds(self) -> float:
@@ -73,11 +87,13 @@ def make_tokens(seed: int, index: int, num_tokens: int, warmup: bool = False) ->
     return rng.integers(0, VOCAB_SIZE, num_tokens).astype(np.int64)
 
 
-def chunk_needs(num_prompt_tokens: int, num_tokens: int) -> list[int | None]:
+def chunk_needs(
+    num_prompt_tokens: int, num_tokens: int, schedule: ScheduleConfig = ScheduleConfig()
+) -> list[int | None]:
     """Per chunk seq, how many tokens must have been sent before the gateway can issue it
     (first hop, or hop, plus lookahead), or None for the final chunk, which waits for the end
-    of input. The gateway's own planner replayed on the client, default schedule."""
-    planner = ChunkPlanner(num_prompt_tokens, ScheduleConfig())
+    of input. The gateway's own planner replayed on the client."""
+    planner = ChunkPlanner(num_prompt_tokens, schedule)
     needs: list[int | None] = []
     for n in range(1, num_tokens + 1):
         while (chunk := planner.next_call(n, ended=False)) is not None:

@@ -125,7 +125,14 @@ def build_parser() -> EnvParser:
         default="upstream",
         help="chunks of a stream that sets no schedule: upstream's (25 + pad, 50, 100, ... "
         "tokens; upstream's audio exactly) or every 25-token block as soon as it is computed "
-        "(upstream run with a constant hop of 25); either way each block is computed once",
+        "(upstream run with a constant hop of 25)",
+    )
+    p.flag(
+        "--block-calls",
+        type=bool,
+        default=False,
+        help="compute each 25-token block of a chunk as soon as its tokens + 3 lookahead are "
+        "in and assemble the chunk from them (same audio); off: one flow call per chunk",
     )
     p.flag(
         "--final-attention",
@@ -321,6 +328,7 @@ class GatewayConfig:
                 deadlines,
                 max_vocoder_failovers=args.vocoder_failovers,
                 start_buffer_s=args.start_buffer_ms / 1e3,
+                block_calls=args.block_calls,
                 schedule=dataclasses.replace(
                     ScheduleConfig.blocks() if args.schedule == "blocks" else ScheduleConfig(),
                     chunked_final=args.final_attention == "chunked",

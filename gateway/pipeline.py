@@ -2,10 +2,12 @@
 
 Tasks per stream (all cancelled together when the client leaves or anything fails):
   reader   - client messages -> the token list (validated), until EndOfInput
-  blocks   - one Generate call per run of 25-token blocks whose tokens + 3 lookahead are in
-             (gateway/schedule.py, "Block calls"), bounded in flight; each block computed once
-  planner  - when the schedule says chunk k is due, assembles its mel from its blocks (or, for
-             the final chunk, makes upstream's final call) (bounded chunks ahead of the vocoder)
+  planner  - when the schedule says chunk k is due, makes its flow call (bounded chunks ahead
+             of the vocoder); with block calls, assembles it from its blocks instead, the final
+             chunk excepted
+  blocks   - with block calls (--block-calls) only: one Generate call per run of 25-token blocks
+             whose tokens + 3 lookahead are in (gateway/schedule.py, "Block calls"), bounded in
+             flight; each block computed once
   vocoder  - one Session stream to the stream's vocoder replica: mel chunks go out in seq order,
              audio comes back in seq order and is converted for the client; a lost session is
              reopened elsewhere and replayed (gateway/failover.py)
@@ -59,6 +61,10 @@ class PipelineLimits:
     # earlier than this long after the first chunk's tokens (a start buffer, see `_hold_first`).
     start_buffer_s: float = 0.0
     schedule: ScheduleConfig = ScheduleConfig()  # for streams that set none (--schedule)
+    # Off by default because it measured worse (docs/BENCHMARKS.md, "Block calls"): a graphed
+    # flow batch does not read the prefix cache, so each block call recomputes its prefix and a
+    # chunk's last block costs what the whole chunk did. It pays once graphs read the cache.
+    block_calls: bool = False
 
     def __post_init__(self):
         if self.start_buffer_s < 0:
@@ -284,9 +290,9 @@ class StreamPipeline:
                 self._ready_at[chunk.seq] = ready_at
                 fut = asyncio.get_running_loop().create_future()
                 self._mels[chunk.seq] = fut
-                if chunk.finalize:
+                if chunk.finalize or not self.limits.block_calls:
                     tokens = self.tokens[: chunk.num_tokens].copy()
-                    self._spawn(self._final(chunk, tokens, fut), f"flow{chunk.seq}")
+                    self._spawn(self._flow(chunk, tokens, fut), f"flow{chunk.seq}")
                 else:
                     self._spawn(self._assemble(chunk, fut), f"chunk{chunk.seq}")
                 self._flow_call_future(chunk.seq).set_result(chunk)
@@ -301,13 +307,15 @@ class StreamPipeline:
             parts.append(out)
         fut.set_result(_concat(parts) if len(parts) > 1 else parts[0])
 
-    async def _final(self, chunk: FlowCall, tokens: np.ndarray, fut: asyncio.Future) -> None:
-        # After every block call of the stream: the final call ends the stream's cache entry
-        # on the flow replica, which a block call still running would store again.
-        await self._blocks_done.wait()
-        pending = [f for f in self._block_out.values() if not f.done()]
-        if pending:
-            await asyncio.wait(pending)
+    async def _flow(self, chunk: FlowCall, tokens: np.ndarray, fut: asyncio.Future) -> None:
+        """A chunk in one flow call: the final one, or any one without block calls."""
+        if chunk.finalize and self.limits.block_calls:
+            # After every block call of the stream: the final call ends the stream's cache
+            # entry on the flow replica, which a block call still running would store again.
+            await self._blocks_done.wait()
+            pending = [f for f in self._block_out.values() if not f.done()]
+            if pending:
+                await asyncio.wait(pending)
         fut.set_result(await self._call_flow(chunk, tokens, self._due.get(chunk.seq, math.inf)))
 
     async def _call_flow(self, call: FlowCall, tokens: np.ndarray, due: float) -> FlowOutput:
@@ -526,7 +534,8 @@ class StreamPipeline:
     async def run(self, requests: AsyncIterator) -> AsyncIterator[gateway_pb2.SynthesizeResponse]:
         self._spawn(self._read(requests), "reader")
         self._spawn(self._plan(), "planner")
-        self._spawn(self._compute_blocks(), "blocks")
+        if self.limits.block_calls:
+            self._spawn(self._compute_blocks(), "blocks")
         self._spawn(self._vocode(), "vocoder")
         get: asyncio.Future | None = None
         try:

@@ -121,6 +121,15 @@ def test_chunk_needs_replays_the_gateway_schedule():
             assert streaming[0] == ChunkPlanner(n_p).first_hop + LOOKAHEAD_TOKENS
 
 
+def test_chunk_needs_follow_the_blocks_schedule():
+    # 75-token prompt (pad 0), 250 tokens: chunk k goes once 25 (k + 1) + 3 tokens are in,
+    # the last of the 10 chunks at the end of input
+    needs = chunk_needs(75, 250, WorkloadConfig(schedule="blocks").schedule_config)
+    assert needs == [25 * (k + 1) + LOOKAHEAD_TOKENS for k in range(9)] + [None]
+    with pytest.raises(InvalidConfig, match="schedule"):
+        WorkloadConfig(schedule="hops")
+
+
 def test_workload_is_seeded_and_validated():
     assert np.array_equal(make_tokens(0, 3, 250), make_tokens(0, 3, 250))
     assert not np.array_equal(make_tokens(0, 3, 250), make_tokens(0, 3, 250, warmup=True))

@@ -211,3 +211,37 @@ def test_chunked_final_reads_the_cache_and_differs_in_the_last_chunk_only(model)
     req = FlowRequest(voice, tokens, last.token_offset, True, True)
     assert_close([got[-1]], [model.generate([req])[0]])
     assert hits >= len(got) - 1  # the final call read the cached blocks too
+
+
+@pytest.mark.gpu
+def test_gpu_block_calls_fp32_exact_and_bf16_as_close_as_per_chunk():
+    """Full-size preset on CUDA: fp32 block calls equal the per-chunk path; bf16 block calls
+    stay as close to fp32 as bf16's per-chunk path does (the two bf16 paths round
+    differently, so each is compared through its distance to fp32)."""
+    # no TF32 (set through the precision API: newer torch has no matmul.allow_tf32 to patch)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            results = _block_calls_on_cuda()
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert_close(*results[torch.float32])
+    for i, (g, w, r) in enumerate(zip(*results[torch.bfloat16], results[torch.float32][1])):
+        blocks, plain = float((g - r).pow(2).mean().sqrt()), float((w - r).pow(2).mean().sqrt())
+        assert blocks <= 1.1 * plain, f"chunk {i}: bf16 block calls {blocks:.3g} vs {plain:.3g} rms"
+
+
+def _block_calls_on_cuda() -> dict:
+    voice, tokens, arrivals = make_voice(21, 70), tokens_for(21, 330), list(range(9, 331, 23))
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        m = load_flow(None, preset="cosyvoice3-0.5b", device="cuda", dtype=dtype, seed=0)
+        got = Stream(m, voice, tokens).run(arrivals)
+        results[dtype] = (
+            [g.float() for g in got],
+            [w.float() for w in per_chunk(m, voice, tokens, ScheduleConfig())],
+        )
+        del m
+        torch.cuda.empty_cache()
+    return results

@@ -66,8 +66,13 @@ def check_exactly_once(chunks, n_tokens):
     assert chunks[-1].is_final and not any(c.is_final for c in chunks[:-1])
 
 
-async def test_concurrent_streams_equal_reference(models):
-    stack = await start_stack(models)
+# The per-chunk path (the default) and block calls (--block-calls) give the same audio.
+CALLS = pytest.mark.parametrize("flags", [(), ("--block-calls", "true")], ids=["chunks", "blocks"])
+
+
+@CALLS
+async def test_concurrent_streams_equal_reference(models, flags):
+    stack = await start_stack(models, *flags)
     try:
         specs = [
             (40, 31),
@@ -108,7 +113,8 @@ async def test_concurrent_streams_equal_reference(models):
         await stack.stop()
 
 
-async def test_client_picked_schedules_equal_upstream_run_that_way(models):
+@CALLS
+async def test_client_picked_schedules_equal_upstream_run_that_way(models, flags):
     """Through the served stack: `blocks` is upstream with a constant hop of 25, and a chunked
     final is upstream's finalize + streaming last call, each chunk for chunk."""
     blocks = gateway_pb2.ChunkSchedule(kind=gateway_pb2.SCHEDULE_KIND_BLOCKS)
@@ -117,7 +123,7 @@ async def test_client_picked_schedules_equal_upstream_run_that_way(models):
         (blocks, ScheduleConfig.blocks(), stream_inputs(3, 40, 140)),
         (chunked, ScheduleConfig(chunked_final=True), stream_inputs(4, 12, 190)),
     ]
-    stack = await start_stack(models)
+    stack = await start_stack(models, *flags)
     try:
         async with AsyncClient(stack.target) as client:
             results = await asyncio.gather(
@@ -136,7 +142,8 @@ async def test_client_picked_schedules_equal_upstream_run_that_way(models):
         await stack.stop()
 
 
-async def test_out_of_order_flow_results_keep_audio(models):
+@CALLS
+async def test_out_of_order_flow_results_keep_audio(models, flags):
     returned = []  # token_offset of each flow call, in the order the calls came back
     two_back = asyncio.Event()
 
@@ -149,9 +156,9 @@ async def test_out_of_order_flow_results_keep_audio(models):
             two_back.set()
         return result
 
-    stack = await start_stack(models, flow_around=around)
+    stack = await start_stack(models, *flags, flow_around=around)
     try:
-        # blocks [0, 25), [25, 75), [75, 175), then the final call (which waits for them all)
+        # calls [0, 25), [25, 75), [75, 175), then the final one (with block calls: after them)
         voice, tokens = stream_inputs(42, 25, 240)
         async with AsyncClient(stack.target) as client:
             stream = client.stream(voice, audio_format="float32")
