@@ -59,7 +59,7 @@ RUN_ARGS ?=
 run: venv
 	$(PY) -m gateway.demo --out-dir out $(RUN_ARGS)
 
-# ---- Deployment: Dockerfile, docker-compose.yml, deploy/ (README "Deployment") ----
+# ---- Deployment: Dockerfile, docker-compose.yml, deploy/ (docs/DEPLOYMENT.md) ----
 .PHONY: compose-config compose-smoke compose-up compose-down k8s-validate image image-cuda \
 	base-image
 
@@ -101,9 +101,11 @@ base-image:
 # The compose stack (docker-compose.yml), built once, up and healthy; with Compose v2 from the
 # dev extras when the docker compose plugin is missing. The gateway answers on 127.0.0.1:50051
 # (GATEWAY_HOST_PORT), its metrics on 127.0.0.1:9101 (GATEWAY_METRICS_HOST_PORT).
+# COMPOSE_ARGS go before the command: COMPOSE_ARGS="-f docker-compose.yml -f deploy/compose.weights.yml".
+COMPOSE_ARGS ?=
 compose-up: venv
-	@dc="$$($(PY) deploy/compose_cli.py)" && \
+	@dc="$$($(PY) deploy/compose_cli.py) $(COMPOSE_ARGS)" && \
 	$$dc up -d --build --wait --wait-timeout 600 && $$dc ps
 
 compose-down: venv
-	@dc="$$($(PY) deploy/compose_cli.py)" && $$dc down --remove-orphans
+	@dc="$$($(PY) deploy/compose_cli.py) $(COMPOSE_ARGS)" && $$dc down --remove-orphans

@@ -12,7 +12,7 @@ Sync:
 CLI:
     python -m gateway.client synthesize --voice v.npz --tokens t.npy --out out.wav
     python -m gateway.client synthesize --audio prompt.wav --tokens t.npy --out out.wav
-    python -m gateway.client make-sample --out-dir sample/
+    python -m gateway.client make-sample --out-dir out/sample
     python -m gateway.client make-voice --audio prompt.wav --frontend-dir DIR --out voice.npz
     python -m gateway.client import-speakers spk2info.pt --out-dir voices/
     python -m gateway.client export-speakers --out spk2info.pt alice=voices/alice.npz
@@ -566,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser(
         "make-sample", parents=[common], help="write a random sample voice.npz and tokens.npy"
     )
-    m.add_argument("--out-dir", default="sample", help="where to write them")
+    m.add_argument("--out-dir", default="out/sample", help="where to write them")
     m.add_argument("--prompt-tokens", type=int, default=75, help="prompt length (3 s = 75)")
     m.add_argument("--num-tokens", type=int, default=250, help="utterance length (10 s = 250)")
     m.add_argument("--seed", type=int, default=0, help="random seed")
