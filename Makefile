@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint fmt protos check-protos run clean test-gpu
+.PHONY: venv test lint fmt protos check-protos run clean test-gpu flags
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,11 @@ fmt: venv
 protos: venv
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
 		protos/token2wav/v1/*.proto
+
+# Regenerate docs/FLAGS.md from the services' parsers (tests/test_flag_reference.py fails on a
+# stale page). Run it after adding, removing or changing a flag.
+flags: venv
+	$(PY) tools/flag_reference.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
