@@ -38,14 +38,6 @@ def build_parser() -> EnvParser:
     )
     p.flag("--device", default=d.device, help="torch device: cpu, cuda, cuda:1, ...")
     p.flag(
-        "--bf16-fp32-parts",
-        type=bool,
-        default=d.bf16_fp32_parts,
-        help="with --dtype bfloat16, keep the time MLP, AdaLN and output projections in float32 "
-        "(+1.1 dB of mel, -6 %% throughput on an H200; default casts every weight); no effect "
-        "in float32",
-    )
-    p.flag(
         "--dtype",
         default=d.dtype,
         choices=sorted(DTYPES),
@@ -193,7 +185,6 @@ class FlowConfig:
     preset: str = "small"
     device: str = "cpu"
     dtype: str = "float32"
-    bf16_fp32_parts: bool = False
     fused_norms: bool = True  # CUDA only (service_kernels)
     policy: BatchPolicy = field(default_factory=BatchPolicy)
     cost_prior: CostPrior = field(default_factory=CostPrior)
@@ -219,7 +210,6 @@ class FlowConfig:
             preset=args.preset,
             device=args.device,
             dtype=args.dtype,
-            bf16_fp32_parts=args.bf16_fp32_parts,
             fused_norms=args.fused_norms,
             policy=BatchPolicy(
                 max_batch_size=args.max_batch_size,
