@@ -48,8 +48,8 @@ def build_parser() -> EnvParser:
         type=bool,
         default=d.fused_norms,
         help="on CUDA, run each DiT layer's gate + residual + layer norm + AdaLN modulate as "
-        "one torch.compile'd kernel (compiled when the model loads, ~6 s, logged; same mel "
-        "within rounding; ~19 %% more bf16 frame-steps/s on an H200); no effect on the CPU",
+        "one torch.compile'd kernel: fewer passes over memory, so a faster solve (compiled "
+        "when the model loads, logged; same mel within rounding); no effect on the CPU",
     )
     p.flag(
         "--max-batch-size",

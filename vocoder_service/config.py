@@ -148,8 +148,8 @@ def build_parser() -> EnvParser:
         type=bool,
         default=ModelConfig.cuda_graphs,
         help="on CUDA, replay captured graphs of the vocoder batch (rows and frames padded to "
-        "buckets; the same samples up to rounding; one first chunk 29 -> 5 ms in bf16 on an "
-        "H200); ignored on CPU",
+        "buckets; the same samples up to rounding): a small batch is launch-bound, and a "
+        "replay launches it at once; ignored on CPU",
     )
     p.flag(
         "--graph-max-rows",

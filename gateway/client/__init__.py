@@ -444,11 +444,11 @@ def make_sample(out_dir: str | Path, prompt_tokens: int = 75, tokens: int = 250,
     out.mkdir(parents=True, exist_ok=True)
     np.savez(
         out / "voice.npz",
-        prompt_token=rng.integers(0, 6561, prompt_tokens).astype(np.int32),
+        prompt_token=rng.integers(0, VOCAB_SIZE, prompt_tokens).astype(np.int32),
         prompt_feat=(rng.standard_normal((2 * prompt_tokens, 80)) - 5).astype(np.float32),
         embedding=rng.standard_normal(192).astype(np.float32),
     )
-    np.save(out / "tokens.npy", rng.integers(0, 6561, tokens).astype(np.int32))
+    np.save(out / "tokens.npy", rng.integers(0, VOCAB_SIZE, tokens).astype(np.int32))
     return out / "voice.npz", out / "tokens.npy"
 
 
