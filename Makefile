@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint fmt protos check-protos run clean test-gpu
+.PHONY: venv test lint fmt protos check-protos run clean test-gpu flags
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ protos: venv
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
 		protos/token2wav/v1/*.proto
 
+# Regenerate docs/FLAGS.md from the services' parsers (tests/test_flag_reference.py fails on a
+# stale page). Run it after adding, removing or changing a flag.
+flags: venv
+	$(PY) tools/flag_reference.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
 
@@ -59,7 +64,7 @@ RUN_ARGS ?=
 run: venv
 	$(PY) -m gateway.demo --out-dir out $(RUN_ARGS)
 
-# ---- Deployment: Dockerfile, docker-compose.yml, deploy/ (README "Deployment") ----
+# ---- Deployment: Dockerfile, docker-compose.yml, deploy/ (docs/DEPLOYMENT.md) ----
 .PHONY: compose-config compose-smoke compose-up compose-down k8s-validate image image-cuda \
 	base-image
 
@@ -101,9 +106,11 @@ base-image:
 # The compose stack (docker-compose.yml), built once, up and healthy; with Compose v2 from the
 # dev extras when the docker compose plugin is missing. The gateway answers on 127.0.0.1:50051
 # (GATEWAY_HOST_PORT), its metrics on 127.0.0.1:9101 (GATEWAY_METRICS_HOST_PORT).
+# COMPOSE_ARGS go before the command: COMPOSE_ARGS="-f docker-compose.yml -f deploy/compose.weights.yml".
+COMPOSE_ARGS ?=
 compose-up: venv
-	@dc="$$($(PY) deploy/compose_cli.py)" && \
+	@dc="$$($(PY) deploy/compose_cli.py) $(COMPOSE_ARGS)" && \
 	$$dc up -d --build --wait --wait-timeout 600 && $$dc ps
 
 compose-down: venv
-	@dc="$$($(PY) deploy/compose_cli.py)" && $$dc down --remove-orphans
+	@dc="$$($(PY) deploy/compose_cli.py) $(COMPOSE_ARGS)" && $$dc down --remove-orphans

@@ -232,19 +232,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def fp32_parts(a: argparse.Namespace) -> bool:
-    """The model is built here, not by the service: honour --flow-arg=--bf16-fp32-parts=..."""
-    return flow_parser().parse_args(a.flow_arg).bf16_fp32_parts
-
-
 def main(argv=None) -> dict:
     a = parse_args(argv)
     if a.device == "cpu":
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
-    model = load_flow(
-        None, device=a.device, dtype=dtype, preset=a.preset, fp32_sensitive=fp32_parts(a)
-    )
+    model = load_flow(None, device=a.device, dtype=dtype, preset=a.preset)
     result = dict(
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         command="python bench/flow_service_bench.py "

@@ -46,7 +46,7 @@ CLIENT_PROCS=${CLIENT_PROCS:-1}
 # BF16_ARGS: extra flags for the bf16 search (e.g. --closed-baseline false --vocoder-arg=...)
 # the gateway's --start-buffer-ms: held first audio of streams whose input is open (paced runs).
 # 240: capacity at 50 tokens/s 36 -> 67 audio s/s against 150, paced first chunk p95 246 ms
-# (H200, docs/BENCHMARKS.md "The sixth run"); tokens-at-once streams are not held.
+# (H200, docs/BENCHMARKS.md "Current figures"); tokens-at-once streams are not held.
 START_BUFFER_MS=${START_BUFFER_MS:-240}
 DEST=${OUT:-out}/capacity
 if [ -n "${OUT:-}" ]; then RAW=${BENCH_RAW:-/tmp/token2wav-capacity}; else RAW=${BENCH_RAW:-$DEST/raw}; fi

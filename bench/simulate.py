@@ -10,7 +10,7 @@ modelled:
   flow batch time   `FlowCostFit`: a CUDA-graphed solve (rows rounded up to the graph row bucket,
                     frames to a multiple of 100 up to 800) costs a launch floor plus, per row,
                     a term in frames and one in frames^2 (attention); fitted to the H200 bf16
-                    solves with fused norms and graphs (docs/BENCHMARKS.md "DiT kernels": 8 x 206
+                    solves with fused norms and graphs (docs/bench/2026-12-03-prefix-cache-and-kernels.md "DiT kernels": 8 x 206
                     frames 54 ms, 64 x 206 310, 8 x 656 152, 64 x 656 1085; within 5 ms);
                     batches of more than `graph_rows` (64) rows, or (`graph_max_frames`, the
                     flow's --graph-max-frames) of more rows x longest sequence than that, run
@@ -45,7 +45,7 @@ modelled:
 
 `python -m bench.simulate` prints the closed-loop and Poisson figures for the current policy
 (flags pick variants: the services' knobs); `--knobs` prints the table of simulated knob
-settings in docs/BENCHMARKS.md. tests/test_simulate.py keeps it honest. Numbers from it are a
+settings in docs/bench/2026-12-03-capacity-runs.md. tests/test_simulate.py keeps it honest. Numbers from it are a
 model, not measurements: use it to compare policies, then verify on the GPU. The flow and the
 vocoder are modelled as independent (they share one GPU on the real host).
 """
@@ -824,7 +824,7 @@ def capacity(probes: list[dict]) -> float:
 
 
 def knob_configs() -> dict[str, SimConfig]:
-    """The settings compared in docs/BENCHMARKS.md ("Simulated knobs"): one or two flags of
+    """The settings compared in docs/bench/2026-12-03-capacity-runs.md ("Simulated knobs"): one or two flags of
     the services each, the rest as bench/run_capacity_gpu.sh ran them in the fifth run."""
     base = SimConfig(graph_max_frames=0)  # the fifth run: graphs up to 64 rows, no cache
     pol = base.policy
@@ -1027,7 +1027,7 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--knobs",
         action="store_true",
-        help="print the table of simulated knob settings (docs/BENCHMARKS.md) and stop",
+        help="print the table of simulated knob settings (docs/bench/2026-12-03-capacity-runs.md) and stop",
     )
     adm = ap.add_argument_group(
         "admission (the gateway's --admission-...; each gateway process admits its own streams)"
@@ -1055,7 +1055,7 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--tables",
         action="store_true",
-        help="print the tables of docs/BENCHMARKS.md's 'Simulated: graphs or cache per batch, "
+        help="print the tables of docs/bench/2026-12-03-capacity-runs.md's 'Simulated: graphs or cache per batch, "
         "and admission' (flow cost fit, the sixth run's figures, overload) and stop",
     )
     a = ap.parse_args(argv)

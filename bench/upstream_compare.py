@@ -458,13 +458,8 @@ def run_flow(up, a, rows: list[dict], tmp: Path) -> None:
                 ref_audio,
             )
         )
-    # bf16 with the sensitive parts in fp32 (the default) and with every weight in bf16.
-    for flow_dtype, fp32_parts in (("float32", True), ("bfloat16", True), ("bfloat16", False)):
-        ours = load_flow(
-            tmp / "flow.pt", device=d, dtype=getattr(torch, flow_dtype), fp32_sensitive=fp32_parts
-        )
-        if flow_dtype == "bfloat16" and not fp32_parts:
-            flow_dtype = "bfloat16 all-bf16"
+    for flow_dtype in ("float32", "bfloat16"):
+        ours = load_flow(tmp / "flow.pt", device=d, dtype=getattr(torch, flow_dtype))
         t = time.perf_counter()
         mel, audio, calls = ours_stream(ours, hifts, x)
         print(f"  ours {flow_dtype} stream: {time.perf_counter() - t:.1f} s", file=sys.stderr)

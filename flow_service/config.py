@@ -14,6 +14,7 @@ from token2wav.server import ServerOptions
 
 
 def build_parser() -> EnvParser:
+    d = FlowConfig()  # every default is the frozen config's
     p = EnvParser(
         "FLOW",
         prog=prog("flow_service"),
@@ -31,80 +32,72 @@ def build_parser() -> EnvParser:
     )
     p.flag(
         "--preset",
-        default="small",
+        default=d.preset,
         choices=sorted(FLOW_PRESETS),
         help="architecture when no checkpoint is given (a checkpoint's shapes win)",
     )
-    p.flag("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
-    p.flag(
-        "--bf16-fp32-parts",
-        type=bool,
-        default=False,
-        help="with --dtype bfloat16, keep the time MLP, AdaLN and output projections in float32 "
-        "(+1.1 dB of mel, -6 %% throughput on an H200; default casts every weight); no effect "
-        "in float32",
-    )
+    p.flag("--device", default=d.device, help="torch device: cpu, cuda, cuda:1, ...")
     p.flag(
         "--dtype",
-        default="float32",
+        default=d.dtype,
         choices=sorted(DTYPES),
         help="model dtype; float32 is upstream's, bfloat16 is ~3x faster on Hopper",
     )
     p.flag(
         "--fused-norms",
         type=bool,
-        default=True,
+        default=d.fused_norms,
         help="on CUDA, run each DiT layer's gate + residual + layer norm + AdaLN modulate as "
-        "one torch.compile'd kernel (compiled when the model loads, ~6 s, logged; same mel "
-        "within rounding; ~19 %% more bf16 frame-steps/s on an H200); no effect on the CPU",
+        "one torch.compile'd kernel: fewer passes over memory, so a faster solve (compiled "
+        "when the model loads, logged; same mel within rounding); no effect on the CPU",
     )
     p.flag(
         "--max-batch-size",
         type=int,
-        default=64,
+        default=d.policy.max_batch_size,
         help="requests per solver batch (1 turns batching off, same code path)",
     )
     p.flag(
         "--max-batch-frames",
         type=int,
-        default=64 * 800,
+        default=d.policy.max_batch_frames,
         help="cap on rows x padded length per batch (activation memory)",
     )
     p.flag(
         "--max-wait-ms",
         type=float,
-        default=5.0,
+        default=d.policy.max_wait_ms,
         help="while busy, how long a batch may wait to fill (0 when the card is idle)",
     )
     p.flag(
         "--min-padding-efficiency",
         type=float,
-        default=0.7,
+        default=d.policy.min_padding_efficiency,
         help="a call joins a batch only if real/padded frames stays above this",
     )
     p.flag(
         "--max-queue",
         type=int,
-        default=1024,
+        default=d.policy.max_queue,
         help="waiting calls; past it Generate answers RESOURCE_EXHAUSTED at once",
     )
-    p.flag("--max-voices", type=int, default=1024, help="voices kept in the LRU cache")
+    p.flag("--max-voices", type=int, default=d.max_voices, help="voices kept in the LRU cache")
     p.flag(
         "--cuda-graphs",
         type=bool,
-        default=True,
+        default=d.cuda_graphs,
         help="on CUDA, replay captured graphs for batches of up to --graph-max-batch requests",
     )
     p.flag(
         "--graph-max-batch",
         type=int,
-        default=64,
+        default=d.graph_max_batch,
         help="largest batch (requests) run through CUDA graphs; larger ones run eagerly",
     )
     p.flag(
         "--graph-max-frames",
         type=int,
-        default=12288,
+        default=d.graph_max_frames,
         help="largest work (rows x longest DiT sequence, frames) a graphed batch may have; "
         "larger batches are compute-bound and run eagerly, unpadded and with the prefix "
         "cache (0: no bound, every batch of up to --graph-max-batch rows is graphed)",
@@ -112,14 +105,14 @@ def build_parser() -> EnvParser:
     p.flag(
         "--preempt",
         type=bool,
-        default=True,
+        default=d.preempt,
         help="time to first audio under load: first chunks batch only with first chunks, and "
         "run between the solver steps of a running batch of later chunks instead of after it",
     )
     p.flag(
         "--deadline-scheduling",
         type=bool,
-        default=True,
+        default=d.policy.deadline_scheduling,
         help="order calls that carry a playback deadline (slack_ms) by slack, refuse batch "
         "joins that would make a row late, preempt by slack; calls without one keep the "
         "first-chunks-then-arrival order (false: slack_ms is ignored, the order before "
@@ -128,14 +121,14 @@ def build_parser() -> EnvParser:
     p.flag(
         "--cost-prior-frames-per-s",
         type=float,
-        default=20000.0,
+        default=d.cost_prior.frames_per_s,
         help="batch cost model's starting throughput (padded frames per second, all solver "
         "steps) until batches are measured; ~20000 for bf16 on an H200",
     )
     p.flag(
         "--prefix-cache-mb",
         type=int,
-        default=-1,
+        default=d.prefix_cache.mb,
         help="prefix cache budget (MiB) for the per-step keys/values of streams' complete "
         "earlier attention blocks, so a streaming call computes only its new frames (same mel); "
         "-1: 40%% of the free device memory on CUDA, 1024 on CPU; 0: off",
@@ -143,27 +136,27 @@ def build_parser() -> EnvParser:
     p.flag(
         "--prefix-cache-share-voices",
         type=bool,
-        default=True,
+        default=d.prefix_cache.share_voices,
         help="share the cached blocks made only of prompt frames across the streams of a voice",
     )
     p.flag(
         "--prefix-cache-evict-idle-s",
         type=float,
-        default=5.0,
+        default=d.prefix_cache.evict_idle_s,
         help="a full prefix cache evicts only entries unused for this long (streams that "
         "went quiet); otherwise it stores no new blocks until room frees up",
     )
     p.flag(
         "--prefix-cache-order-streams",
         type=bool,
-        default=True,
+        default=d.prefix_cache.order_streams,
         help="with the prefix cache, a stream's call waits for its earlier calls on this "
         "replica (it reuses what they computed; its audio plays after theirs anyway)",
     )
     p.flag(
         "--log-batches",
         type=bool,
-        default=False,
+        default=d.log_batches,
         help="log each batch's size, lengths, padding and time",
     )
     return p
@@ -192,7 +185,6 @@ class FlowConfig:
     preset: str = "small"
     device: str = "cpu"
     dtype: str = "float32"
-    bf16_fp32_parts: bool = False
     fused_norms: bool = True  # CUDA only (service_kernels)
     policy: BatchPolicy = field(default_factory=BatchPolicy)
     cost_prior: CostPrior = field(default_factory=CostPrior)
@@ -218,7 +210,6 @@ class FlowConfig:
             preset=args.preset,
             device=args.device,
             dtype=args.dtype,
-            bf16_fp32_parts=args.bf16_fp32_parts,
             fused_norms=args.fused_norms,
             policy=BatchPolicy(
                 max_batch_size=args.max_batch_size,

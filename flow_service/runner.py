@@ -109,13 +109,11 @@ class FlowRunner:
         # One worker: batches run one after another, while the event loop keeps accepting calls.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="flow-runner")
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # Small batches are launch-bound (~900 kernels per solver step): replaying CUDA graphs
-        # cuts a bf16 step at B=1 from 18 to 3.6 ms on an H200. Shapes are bucketed (requests
-        # by `graph_rows`, frames to a multiple) so a few dozen graphs cover the workload;
-        # larger batches run eagerly. Eager steps stay launch-bound well past 8 rows at first-
-        # chunk lengths (an H200, bf16, 206 frames: 8, 32 and 64 rows take 259, 274 and 393 ms
-        # per solve; bench/profile_prefix.py), hence --graph-max-batch 64 (closed loop of 64 streams,
-        # first chunk p50/p95 1014/1445 -> 585/797 ms; docs/BENCHMARKS.md).
+        # Small batches are launch-bound (~900 kernels per solver step), so they replay CUDA
+        # graphs. Shapes are bucketed (requests by `graph_rows`, frames to a multiple) so a few
+        # dozen graphs cover the workload; larger batches run eagerly. Eager steps stay
+        # launch-bound well past 8 rows at first-chunk lengths, hence graphs up to
+        # --graph-max-batch rows (the timings: docs/DESIGN.md "Prefix cache").
         self.graphs = None
         if cuda_graphs and self.stream is not None:
             from flow_service.model import GraphedEstimator
@@ -125,9 +123,9 @@ class FlowRunner:
         self.graph_frame_multiple = graph_frame_multiple
         # Past this much work (rows x longest sequence, in frames; 0 = no bound) a batch is
         # compute-bound even eagerly, and eager then wins: no padding to the graph's buckets
-        # (a 650-frame final call runs as 700) and the prefix cache (a 10 s stream's later calls compute
-        # 100-200 new frames instead of 300-500). An H200, bf16, 64 rows: calls 1 and 2 take
-        # 461 and 767 ms graphed, 224 and 396 ms eager with the cache (bench/profile_prefix.py).
+        # (a 650-frame final call runs as 700) and the prefix cache (a 10 s stream's later
+        # calls compute 100-200 new frames instead of 300-500; measured in docs/DESIGN.md
+        # "Prefix cache").
         self.graph_max_frames = graph_max_frames
         self._nested_s = 0.0  # runner thread only: time spent in urgent batches
 

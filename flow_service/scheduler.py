@@ -58,8 +58,7 @@ class BatchPolicy:
     deadline_scheduling: bool = True
     # Rows of a batch led by a late call, or formed from a queue that is tight even at full
     # throughput (see Scheduler.schedule): large enough to keep most of the card's throughput
-    # (64 x 206 frames run ~15 % faster per row than 32 on an H200, 8 rows ~40 % slower),
-    # small enough that late work comes out in a pipeline of batches, not in one long one.
+    # (per row, larger batches are faster up to about this size), small enough that late work comes out in a pipeline of batches, not in one long one.
     late_batch_rows: int = 32
 
     def __post_init__(self):

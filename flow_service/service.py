@@ -24,7 +24,6 @@ def load_model(config: FlowConfig) -> FlowModel:
         device=config.device,
         dtype=DTYPES[config.dtype],
         preset=config.preset,
-        fp32_sensitive=config.bf16_fp32_parts,
         kernels=service_kernels(config),
     )
 

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from flow_service.model import FlowRequest, Voice
+from token2wav import VOCAB_SIZE
 
 
 def warmup_batch(batch: int, num_frames: int) -> list[FlowRequest]:
@@ -14,7 +15,7 @@ def warmup_batch(batch: int, num_frames: int) -> list[FlowRequest]:
     rng = np.random.default_rng(0)
     n_p = min(25, num_frames // 4)
     voice = Voice(
-        torch.from_numpy(rng.integers(0, 6561, n_p)),
+        torch.from_numpy(rng.integers(0, VOCAB_SIZE, n_p)),
         torch.from_numpy(rng.standard_normal((2 * n_p, 80)).astype(np.float32)),
         torch.from_numpy(rng.standard_normal(192).astype(np.float32)),
     )
@@ -22,7 +23,7 @@ def warmup_batch(batch: int, num_frames: int) -> list[FlowRequest]:
     reqs = []
     for i in range(batch):
         final = i % 2 == 1
-        tokens = torch.from_numpy(rng.integers(0, 6561, n_emit + (0 if final else 3)))
+        tokens = torch.from_numpy(rng.integers(0, VOCAB_SIZE, n_emit + (0 if final else 3)))
         reqs.append(FlowRequest(voice, tokens, 0, finalize=final, streaming=not final))
     return reqs
 

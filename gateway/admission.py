@@ -16,10 +16,8 @@ target) finishes within `tolerance` of its deadline and no admitted item is made
 on time, or later than it was (streams already late are not blamed on the newcomer, nor made
 later by it); otherwise the call is refused with RESOURCE_EXHAUSTED at once, or after at most
 `max_wait` of waiting for streams to finish. Item by item, not worst case against worst case:
-once one admitted chunk is estimated late, a newcomer queued behind it leaves that maximum
-unchanged however late it comes itself (before 080b335 such newcomers were admitted: on an
-H200 under 2 x overload, 12 streams/s against a capacity of 9.4, at headroom 0.8 and 0.6
-alike). While no replica has reported a capacity yet (cold start) streams are admitted.
+once one admitted chunk is estimated late, a newcomer queued behind it would leave that
+maximum unchanged however late it came itself, and be admitted. While no replica has reported a capacity yet (cold start) streams are admitted.
 
 Feedback (`--admission-feedback`). The estimate is optimistic by construction: it assumes
 every frame runs at the large-batch rate, while at moderate load batches are small, the

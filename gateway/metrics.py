@@ -2,6 +2,8 @@
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from token2wav import SAMPLE_RATE
+
 ACTIVE_STREAMS = Gauge("t2w_gateway_active_streams", "Synthesize streams open now")
 STREAMS = Counter("t2w_gateway_streams_total", "Finished streams by outcome", ["outcome"])
 FIRST_CHUNK = Histogram(
@@ -25,6 +27,13 @@ ADMISSION_FACTOR = Gauge(
     "Share of the flow capacity estimate admission trusts after late chunks (1: all of it)",
 )
 AUDIO_SECONDS = Counter("t2w_gateway_audio_seconds_total", "Audio seconds sent to clients")
+
+
+def count_audio(num_samples: int) -> None:
+    """Audio sent to a client, counted in seconds (its samples are at SAMPLE_RATE)."""
+    AUDIO_SECONDS.inc(num_samples / SAMPLE_RATE)
+
+
 VOCODER_FAILOVERS = Counter(
     "t2w_gateway_vocoder_failovers_total",
     "Streams moved to another vocoder session (mel replayed) after losing theirs, by reason",

@@ -171,7 +171,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if first_chunk:
                     metrics.FIRST_CHUNK.observe(msg.timing.gateway_ms / 1e3)
                     first_chunk = False
-                metrics.AUDIO_SECONDS.inc(msg.num_samples / 24000)
+                metrics.count_audio(msg.num_samples)
                 yield msg
             metrics.STREAMS.labels("ok").inc()
         except BaseException as exc:

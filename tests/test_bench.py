@@ -402,13 +402,6 @@ def test_vocoder_dtype_overrides_only_the_vocoder(tmp_path):
     )
 
 
-def test_flow_service_bench_builds_the_model_the_flow_args_ask_for():
-    from bench.flow_service_bench import fp32_parts, parse_args
-
-    assert fp32_parts(parse_args([])) is False  # the service's default
-    assert fp32_parts(parse_args(["--flow-arg=--bf16-fp32-parts=true"])) is True
-
-
 def test_gateway_overhead_bench_runs_streams_through_a_real_gateway():
     """bench/gateway_overhead.py: a real gateway process between instant stand-ins; every
     stream gets its audio (the stand-ins' shapes satisfy the gateway's checks)."""

@@ -22,6 +22,7 @@ from test_gateway import _call, cfg_msg, start_stack, stream_inputs, tok
 from flow_service.model.loading import CheckpointError as FlowCheckpointError
 from flow_service.model.loading import read_state_dict
 from gateway import client as cli
+from gateway.client.cli import main as cli_main
 from token2wav.cli import check_device, one_line, run_main
 from token2wav.errors import InvalidArgument, StartupError
 from token2wav.server import GrpcServer, ServerOptions
@@ -62,7 +63,7 @@ def test_token_ids_accepts_integers_of_any_width():
 
 
 def _cli_error(capsys, *argv) -> str:
-    assert cli.main(list(argv)) == 1
+    assert cli_main(list(argv)) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     return err.strip()
@@ -80,6 +81,7 @@ def test_cli_refuses_bad_files_in_one_line(tmp_path, capsys):
         np.save(tmp_path / name, arr)
     np.save(tmp_path / "pickled.npy", np.array([1, "a"], object), allow_pickle=True)
     np.savez(tmp_path / "novoice.npz", prompt_token=np.zeros(3, np.int32))
+    (tmp_path / "notes.txt").write_text("prompt_token: 1 2 3\n")
     # No gateway listens at --target: every one of these must fail before connecting.
     run = ("synthesize", "--target", "127.0.0.1:1", "--out", str(tmp_path / "o.wav"))
     for name, expect in [
@@ -88,6 +90,7 @@ def test_cli_refuses_bad_files_in_one_line(tmp_path, capsys):
         ("float.npy", "float.npy: float64 values"),
         ("huge.npy", "huge.npy[0]: id 1099511627776 outside"),
         ("pickled.npy", "pickled.npy: not an .npy array of token ids (pickled data"),
+        ("notes.txt", "notes.txt: a text file; want an .npy array of token ids"),
         ("missing.npy", "missing.npy: No such file or directory"),
     ]:
         err = _cli_error(capsys, *run, "--voice", str(voice), "--tokens", str(tmp_path / name))
@@ -96,10 +99,23 @@ def test_cli_refuses_bad_files_in_one_line(tmp_path, capsys):
         capsys, *run, "--voice", str(tmp_path / "novoice.npz"), "--tokens", str(tokens)
     )
     assert "novoice.npz: missing arrays ['embedding', 'prompt_feat']" in err
+    err = _cli_error(capsys, *run, "--voice", str(tmp_path / "notes.txt"), "--tokens", str(tokens))
+    assert "notes.txt: a text file; want an .npz voice file" in err
     err = _cli_error(capsys, *run, "--voice", str(tokens), "--tokens", str(tokens))
     assert "tokens.npy: one .npy array; a voice is an .npz" in err
     err = _cli_error(capsys, *run, "--voice", str(voice), "--tokens", str(tokens))
     assert "UNAVAILABLE" in err and "--target 127.0.0.1:1" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--bogus"], ["synthesize", "--bogus"], ["synthesize", "--bogus=1", "--out", "o.wav"]],
+)
+def test_cli_names_an_unknown_flag(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--bogus" in err.splitlines()[-1], err
 
 
 def _gauge(name: str, **labels) -> float:

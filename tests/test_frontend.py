@@ -316,7 +316,7 @@ import sys
 sys.modules.update(onnxruntime=None, kaldi_native_fbank=None, soundfile=None)
 from gateway.config import GatewayConfig, build_parser
 from gateway.service import GatewayService
-import gateway.client
+import gateway.client.cli
 GatewayService(GatewayConfig.from_args(build_parser().parse_args([])))
 from token2wav.frontend import Frontend, FrontendUnavailable
 try:

@@ -17,7 +17,8 @@ from _reference import reference_synthesis
 from test_gateway import check_exactly_once, run_stream, snr_db, start_stack
 
 from flow_service.model import load_flow
-from gateway.client import AsyncClient, load_voice, main
+from gateway.client import AsyncClient, load_voice
+from gateway.client.cli import main
 from token2wav.frontend import Frontend, load_speakers
 from token2wav.tensors import make_voice
 from vocoder_service.model import load_hift

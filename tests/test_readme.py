@@ -49,7 +49,7 @@ def test_the_quick_start_and_client_blocks_are_marked():
     assert set(kinds) <= set(KINDS), kinds
     assert "fresh-copy" in kinds and "client" in kinds
     # Every sh block of the two sections is marked (a new one without the marker would slip by).
-    for section in ("## The two commands", "**Client.**"):
+    for section in ("## The two commands", "## The client"):
         start = README.index(section)
         text = README[start : README.index("\n## ", start + 1)]
         for m in re.finditer(r"(.*)\n```sh\n", text):

@@ -198,7 +198,7 @@ def test_capacity_on_time_uses_floors_measured_alone():
 
 def test_flow_cost_fit_reproduces_the_graphed_solves_and_pads_to_graph_buckets():
     fit = FlowCostFit()
-    # docs/BENCHMARKS.md "DiT kernels", fused norms, graphed, ms per 10-step solve
+    # docs/bench/2026-12-03-prefix-cache-and-kernels.md "DiT kernels", fused norms, graphed, ms per 10-step solve
     for rows, frames, ms in [(8, 206, 54), (64, 206, 310), (8, 656, 152), (64, 656, 1085)]:
         assert fit.solve_s(rows, frames) * 1e3 == pytest.approx(ms, abs=5)
     # the service replays the graph of 40 rows x 300 frames for 33 rows of up to 210 frames
@@ -402,7 +402,7 @@ def test_overload_admission_refuses_some_and_keeps_more_of_the_admitted_on_time(
     streams, and the admitted ones are on time far more often than with every stream let in.
     Pooled over seeds 0-2 at headroom 0.8, today's item-by-item rule keeps a larger share of
     its admitted streams on time than the pre-080b335 worst-against-worst rule (the model's
-    word; at headroom 0.6 the two come out alike, docs/BENCHMARKS.md)."""
+    word; at headroom 0.6 the two come out alike, docs/bench/2026-12-03-capacity-runs.md)."""
     rate = 18.75
     everyone = overload(SimConfig(gateways=1, start_buffer_s=0.24), rate, 20.0, seed=0)
     assert everyone["refused"] == 0

@@ -176,14 +176,3 @@ def check_device(device: str, flag: str = "--device") -> None:
         raise StartupError(f"{flag} {device}: no CUDA device is visible; use --device cpu")
     if dev.index is not None and dev.index >= count:
         raise StartupError(f"{flag} {device}: only {count} CUDA device(s) (cuda:0..{count - 1})")
-
-
-def check_ports(args: argparse.Namespace) -> None:
-    """Fail at once, in one line, when --port or --metrics-port is taken: before a model loads
-    for minutes only to find its port in use (the server checks again when it binds)."""
-    from token2wav.server import bind_problem
-
-    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
-        problem = bind_problem(args.host, port) if port else None
-        if problem is not None:
-            raise StartupError(f"{flag} {port}: {problem}")

@@ -1,6 +1,6 @@
 """Typed errors raised inside the services; `ErrorInterceptor` maps them to gRPC status codes.
 
-The mapping is the status codes in README.md ("The wire contract"). Anything else that escapes a handler
+The mapping is the status codes in docs/OPERATIONS.md ("The wire contract"). Anything else that escapes a handler
 is a broken invariant: INTERNAL, logged with its traceback, never sent to the client.
 """
 

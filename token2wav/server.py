@@ -16,7 +16,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,9 +26,6 @@ from prometheus_client import Counter, Histogram, start_http_server
 
 from token2wav.errors import BadMessage, StartupError, status_for
 from token2wav.security import server_credentials
-
-if TYPE_CHECKING:
-    from token2wav.service import Service
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +238,21 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return grpc.stream_stream_rpc_method_handler(
             wrap_stream(handler.stream_stream, _checked_stream), **kw
         )
+
+
+class Service(Protocol):
+    """What the listener needs of the service it serves (`token2wav.service.Service` is the
+    one implementation)."""
+
+    grpc_services: tuple[str, ...]
+
+    def register(self, server: grpc.aio.Server) -> None: ...
+
+    def start(self) -> None: ...
+
+    async def warmup(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class GrpcServer:

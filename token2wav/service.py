@@ -21,9 +21,9 @@ from typing import Any, ClassVar
 
 import grpc
 
-from token2wav.cli import EnvParser, check_ports, run_main
+from token2wav.cli import EnvParser, run_main
 from token2wav.errors import StartupError
-from token2wav.server import GrpcServer, ServerOptions, setup_logging
+from token2wav.server import GrpcServer, ServerOptions, bind_problem, setup_logging
 
 
 class Service:
@@ -83,6 +83,15 @@ async def start(service: Service, *, warmup: bool = True) -> GrpcServer:
         raise
     await server.set_serving(True)
     return server
+
+
+def check_ports(args: Any) -> None:
+    """Fail at once, in one line, when --port or --metrics-port is taken: before a model loads
+    for minutes only to find its port in use (the server checks again when it binds)."""
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        problem = bind_problem(args.host, port) if port else None
+        if problem is not None:
+            raise StartupError(f"{flag} {port}: {problem}")
 
 
 class UsageError(ValueError):

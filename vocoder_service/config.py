@@ -134,22 +134,22 @@ def build_parser() -> EnvParser:
         help="HiFT preset (small | cosyvoice3-0.5b); unset: cosyvoice3-0.5b with --model-dir, "
         "else small",
     )
-    p.flag("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.flag("--dtype", default="float32", choices=sorted(DTYPES), help="decoder dtype")
+    p.flag("--device", default=ModelConfig.device, help="cpu, cuda or cuda:N")
+    p.flag("--dtype", default=ModelConfig.dtype, choices=sorted(DTYPES), help="decoder dtype")
     p.flag(
         "--phase-mode",
-        default="exact",
-        choices=["exact", "upstream"],
+        default=ModelConfig.phase_mode,
+        choices=list(PHASE_MODES),
         help="sine phase rounding: exact (float64, no drift on long utterances) or upstream "
         "(upstream's float32 cumsum, as upstream on CPU); sessions only move between equal modes",
     )
     p.flag(
         "--cuda-graphs",
         type=bool,
-        default=True,
+        default=ModelConfig.cuda_graphs,
         help="on CUDA, replay captured graphs of the vocoder batch (rows and frames padded to "
-        "buckets; the same samples up to rounding; one first chunk 29 -> 5 ms in bf16 on an "
-        "H200); ignored on CPU",
+        "buckets; the same samples up to rounding): a small batch is launch-bound, and a "
+        "replay launches it at once; ignored on CPU",
     )
     p.flag(
         "--graph-max-rows",

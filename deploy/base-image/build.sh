@@ -14,6 +14,15 @@ TAG="${1:-token2wav-base:bookworm}"
 SUITE="${SUITE:-bookworm}"
 MIRROR="${MIRROR:-http://deb.debian.org/debian}"
 
+# Every prerequisite first: debootstrap takes about a minute, and its result needs a daemon.
+command -v docker >/dev/null || {
+    echo "no docker command: install Docker (Debian: apt-get install docker.io)" >&2
+    exit 1
+}
+docker info >/dev/null 2>&1 || {
+    echo "no Docker daemon answers (start it: systemctl start docker, or dockerd &)" >&2
+    exit 1
+}
 if [[ "${FORCE:-0}" != 1 ]] && docker image inspect "$TAG" >/dev/null 2>&1; then
     echo "base image $TAG already present (FORCE=1 rebuilds)"
     exit 0

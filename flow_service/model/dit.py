@@ -344,8 +344,8 @@ class AdaLayerNormZero(nn.Module):
         self.linear = nn.Linear(dim, num_chunks * dim)
 
     def forward(self, temb_act: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """Modulations in `dtype` (the residual stream's); the projection itself runs in the
-        linear's own dtype (fp32 in a bf16 model, see DiT.fp32_modules)."""
+        """Modulations in `dtype` (the residual stream's); the projection runs in the linear's
+        own dtype."""
         mod = self.linear(temb_act.to(self.linear.weight.dtype))[:, None, :].to(dtype)
         return mod.chunk(self.linear.out_features // self.linear.in_features, dim=-1)
 
@@ -400,7 +400,7 @@ class FinalNorm(nn.Module):
         self.linear = nn.Linear(dim, 2 * dim)
 
     def forward(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
-        """In the linear's dtype: fp32 in a bf16 model (x is upcast once, (r, t, d))."""
+        """In the linear's dtype (x, (r, t, d), is cast once)."""
         dtype = self.linear.weight.dtype
         scale, shift = self.linear(temb_act.to(dtype))[:, None, :].chunk(2, dim=-1)  # (r, 1, d)
         return modulate(F.layer_norm(x.to(dtype), (x.shape[-1],), eps=self.eps), shift, scale)
@@ -460,20 +460,6 @@ class DiT(nn.Module):
             query_pos, seq_lens, streaming, num_keys, block, dtype, mask_padding
         )
 
-    def fp32_modules(self) -> list[nn.Module]:
-        """The numerically sensitive parts that `load_flow` keeps in fp32 in a bf16 model: the
-        time MLP, every AdaLN projection, the final norm's projection and the output
-        projection. They act once per row (r x d) or produce only c = 80 channels: by count
-        under 0.5 % of the multiply-adds at t = 200 frames, but 42 % of the full DiT's weights
-        (22 AdaLN projections of 6 d x d), so ~0.28 GB more memory, read once per step. The
-        residual stream, attention and FFN stay in the compute dtype."""
-        return [
-            self.time_embed,
-            *(layer.attn_norm for layer in self.transformer_blocks),
-            self.norm_out,
-            self.proj_out,
-        ]
-
     def forward(
         self,
         x: torch.Tensor,  # (r, t, c) noisy mel, compute dtype
@@ -499,5 +485,5 @@ class DiT(nn.Module):
         for i, layer in enumerate(self.transformer_blocks):
             kv = None if prefix is None else prefix.layer(i)
             hidden = layer(hidden, temb_act, rope, attn_bias, frame_mask, kv, self.kernels)
-        out = self.norm_out(hidden, temb_act)  # (r, q, d), fp32 in a bf16 model with fp32 parts
+        out = self.norm_out(hidden, temb_act)  # (r, q, d)
         return self.proj_out(out.to(self.proj_out.weight.dtype))  # (r, q, c)

@@ -177,14 +177,11 @@ def load_flow(
     dtype: torch.dtype = torch.float32,
     preset: str | None = None,
     seed: int = 0,
-    fp32_sensitive: bool = False,
     kernels: DiTKernels | None = None,
 ) -> FlowModel:
     """A FlowModel in eval mode on `device`, float32 (as upstream) or bfloat16.
 
-    fp32_sensitive: in bfloat16, keep `DiT.fp32_modules()` (time MLP, AdaLN and output
-    projections) in float32; False (the default: on an H200 the fp32 parts cost 6 % of bf16
-    throughput for 1.1 dB of mel and no audible difference, docs/BENCHMARKS.md) casts every weight.
+    Every weight is cast to `dtype`.
     The noise, the Euler state, the time sinusoid and the rotary tables are fp32 regardless.
 
     path: a model dir holding flow.pt, or the file; None gives seeded random weights of
@@ -211,23 +208,8 @@ def load_flow(
         check_state_dict(model, state)
         model = model.to_empty(device=device)
         model.load_state_dict(state, strict=True)
-    model = cast_model(model.to(device=device), dtype, fp32_sensitive).eval()
+    model = model.to(device=device, dtype=dtype).eval()
     if kernels is not None:
         model.decoder.estimator.kernels = kernels
         model.decoder.estimator.warm_up_kernels()  # compiles (logged) before anything is served
-    return model
-
-
-def cast_model(model: FlowModel, dtype: torch.dtype, fp32_sensitive: bool = False) -> FlowModel:
-    """Cast to `dtype`, keeping `DiT.fp32_modules()` in float32 when `fp32_sensitive` (their
-    values are restored from float32, never round-tripped through `dtype`)."""
-    if dtype == torch.float32 or not fp32_sensitive:
-        return model.to(dtype=dtype)
-    keep = model.decoder.estimator.fp32_modules()
-    saved = [[p.detach().float().clone() for p in m.parameters()] for m in keep]
-    model.to(dtype=dtype)
-    for module, values in zip(keep, saved):
-        module.float()
-        for p, v in zip(module.parameters(), values):
-            p.data.copy_(v)
     return model

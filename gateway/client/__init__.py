@@ -12,7 +12,7 @@ Sync:
 CLI:
     python -m gateway.client synthesize --voice v.npz --tokens t.npy --out out.wav
     python -m gateway.client synthesize --audio prompt.wav --tokens t.npy --out out.wav
-    python -m gateway.client make-sample --out-dir sample/
+    python -m gateway.client make-sample --out-dir out/sample
     python -m gateway.client make-voice --audio prompt.wav --frontend-dir DIR --out voice.npz
     python -m gateway.client import-speakers spk2info.pt --out-dir voices/
     python -m gateway.client export-speakers --out spk2info.pt alice=voices/alice.npz
@@ -20,10 +20,7 @@ CLI:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import logging
-import os
 import queue
 import sys
 import threading
@@ -37,14 +34,7 @@ import grpc
 import numpy as np
 
 from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner, ScheduleConfig
-from gateway.voice_cli import (
-    VOICE_COMMANDS,
-    add_voice_commands,
-    run_voice_command,
-    voice_from_gateway,
-)
 from token2wav import SAMPLE_RATE, SAMPLES_PER_TOKEN, VOCAB_SIZE
-from token2wav.cli import prog, run_main
 from token2wav.errors import DETAILS_KEY, STATUS_KEY, InvalidArgument
 from token2wav.security import channel_credentials
 from token2wav.server import channel_options
@@ -100,8 +90,24 @@ def token_ids(tokens, field: str = "tokens") -> np.ndarray:
     return check_token_ids(arr.reshape(-1), field)
 
 
+# How .npy files and .npz archives (zip) begin; np.load reads anything else as a pickle.
+NUMPY_MAGICS = (b"\x93NUMPY", b"PK\x03\x04", b"PK\x05\x06")
+
+
 def _load_npy(path: str | Path, what: str):
     """np.load without pickles; a file that is not what `what` says is one ValueError line."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except IsADirectoryError:
+        raise ValueError(f"{path}: a directory; want {what}") from None
+    if not head.startswith(NUMPY_MAGICS):
+        try:
+            text = head.decode("utf-8")
+        except UnicodeDecodeError:
+            text = ""
+        kind = "an empty file" if not head else "a text file" if text.strip() else "not NumPy data"
+        raise ValueError(f"{path}: {kind}; want {what} (written by numpy.save / numpy.savez)")
     try:
         return np.load(path, allow_pickle=False)
     except (OSError, EOFError) as exc:
@@ -438,11 +444,11 @@ def make_sample(out_dir: str | Path, prompt_tokens: int = 75, tokens: int = 250,
     out.mkdir(parents=True, exist_ok=True)
     np.savez(
         out / "voice.npz",
-        prompt_token=rng.integers(0, 6561, prompt_tokens).astype(np.int32),
+        prompt_token=rng.integers(0, VOCAB_SIZE, prompt_tokens).astype(np.int32),
         prompt_feat=(rng.standard_normal((2 * prompt_tokens, 80)) - 5).astype(np.float32),
         embedding=rng.standard_normal(192).astype(np.float32),
     )
-    np.save(out / "tokens.npy", rng.integers(0, 6561, tokens).astype(np.int32))
+    np.save(out / "tokens.npy", rng.integers(0, VOCAB_SIZE, tokens).astype(np.int32))
     return out / "voice.npz", out / "tokens.npy"
 
 
@@ -526,86 +532,3 @@ def run_synthesis(
         "xrt": seconds / wall,
         "samples": audio.size,
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog=prog("gateway.client"),
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--log-level",
-        default=os.environ.get("T2W_LOG_LEVEL", "WARNING"),
-        help="logging level; DEBUG also prints the traceback of a failure [env T2W_LOG_LEVEL]",
-    )
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser(
-        "synthesize", parents=[common], help="stream tokens through the gateway into a WAV file"
-    )
-    s.add_argument("--target", default="127.0.0.1:50051", help="gateway HOST:PORT")
-    which = s.add_mutually_exclusive_group(required=True)
-    which.add_argument("--voice", help=".npz with prompt_token, prompt_feat, embedding")
-    which.add_argument(
-        "--audio",
-        help="prompt recording (WAV/FLAC/OGG) the gateway makes the voice from "
-        "(it needs --frontend-dir)",
-    )
-    s.add_argument("--tokens", required=True, help=".npy of speech token ids (int, 0..6560)")
-    s.add_argument("--out", required=True, help="output WAV (24 kHz, 16-bit mono)")
-    s.add_argument(
-        "--pace",
-        type=float,
-        default=0.0,
-        help="send tokens at this rate per second, like an LLM (0: all at once)",
-    )
-    s.add_argument("--format", choices=sorted(FORMATS), default="pcm16", help="wire audio format")
-    s.add_argument("--timeout", type=float, default=None, help="deadline for the whole stream, s")
-    s.add_argument("--quiet", action="store_true", help="no progress bar")
-    m = sub.add_parser(
-        "make-sample", parents=[common], help="write a random sample voice.npz and tokens.npy"
-    )
-    m.add_argument("--out-dir", default="sample", help="where to write them")
-    m.add_argument("--prompt-tokens", type=int, default=75, help="prompt length (3 s = 75)")
-    m.add_argument("--num-tokens", type=int, default=250, help="utterance length (10 s = 250)")
-    m.add_argument("--seed", type=int, default=0, help="random seed")
-    add_voice_commands(sub)
-    a = p.parse_args(argv)
-    if a.cmd in VOICE_COMMANDS:
-        return run_voice_command(a)
-    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    # Bad input files, an unreachable gateway, a failed stream: one line and exit status 1.
-    return run_main("token2wav", lambda: _run_command(a))
-
-
-def _run_command(a: argparse.Namespace) -> int:
-    if a.cmd == "make-sample":
-        v, t = make_sample(a.out_dir, a.prompt_tokens, a.num_tokens, a.seed)
-        print(f"wrote {v} and {t}")
-        return 0
-    tokens = load_tokens(a.tokens)  # the files are checked before anything is sent
-    voice = load_voice(a.voice) if a.voice else None
-    try:
-        if voice is None:
-            voice = voice_from_gateway(a.target, a.audio)
-        r = run_synthesis(
-            a.target, voice, tokens, a.out, a.pace, a.format, not a.quiet, timeout=a.timeout
-        )
-    except grpc.RpcError as exc:
-        hint = f" (is a gateway listening at --target {a.target}?)"
-        if exc.code() != grpc.StatusCode.UNAVAILABLE:
-            hint = ""
-        details = (exc.details() or "").splitlines()[0] if exc.details() else ""
-        print(f"token2wav: synthesis failed: {exc.code().name}: {details}{hint}", file=sys.stderr)
-        return 1
-    print(f"wrote {a.out}: {r['audio_seconds']:.2f} s of audio in {r['chunks']} chunks")
-    print(
-        f"first-chunk latency {r['first_chunk_ms']:.0f} ms, real-time factor {r['rtf']:.3f} "
-        f"({r['xrt']:.1f}x real time)"
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
