@@ -109,8 +109,17 @@ def add_server_flags(
     parser.flag(
         "--reflection",
         type=bool,
-        default=True,
-        help="serve gRPC reflection (grpcurl can list the API); turn off in production",
+        default=False,
+        help="serve gRPC reflection (grpcurl can list the API); behind the same bearer token "
+        "as the API where --auth-tokens is set",
+    )
+    parser.flag(
+        "--health-port",
+        type=int,
+        default=0,
+        help="plaintext port serving grpc.health.v1 and nothing else (no TLS, no token), for "
+        "probes that hold no client certificate: the kubelet's gRPC probe, compose "
+        "healthchecks; 0: none (health is always on the gRPC port too)",
     )
     parser.flag("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)")
 
@@ -179,11 +188,16 @@ def check_device(device: str, flag: str = "--device") -> None:
 
 
 def check_ports(args: argparse.Namespace) -> None:
-    """Fail at once, in one line, when --port or --metrics-port is taken: before a model loads
-    for minutes only to find its port in use (the server checks again when it binds)."""
+    """Fail at once, in one line, when --port, --metrics-port or --health-port is taken: before
+    a model loads for minutes only to find its port in use (the server checks again when it
+    binds)."""
     from token2wav.server import bind_problem
 
-    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+    for flag, port in (
+        ("--port", args.port),
+        ("--metrics-port", args.metrics_port),
+        ("--health-port", args.health_port),
+    ):
         problem = bind_problem(args.host, port) if port else None
         if problem is not None:
             raise StartupError(f"{flag} {port}: {problem}")
