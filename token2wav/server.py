@@ -12,6 +12,7 @@ import asyncio
 import contextvars
 import errno
 import logging
+import os
 import signal
 import socket
 import time
@@ -25,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram, start_http_server
 
 from token2wav.errors import BadMessage, StartupError, status_for
+from token2wav.faults import EXIT_DEVICE_LOST
 from token2wav.security import server_credentials
 
 if TYPE_CHECKING:
@@ -269,6 +271,8 @@ class GrpcServer:
         self._metrics_httpd = None
         self._serving: bool | None = None  # what health last said; None before the first call
         self._stop = asyncio.Event()
+        self.exit = os._exit  # how exit_for_restart ends the process (tests put their own)
+        service.listener = self
 
     async def start(self) -> int:
         opts = self.options
@@ -383,6 +387,23 @@ class GrpcServer:
             await asyncio.sleep(self.options.drain_delay)
         await self._close(self.options.grace_period)
         logger.info("stopped")
+
+    async def exit_for_restart(self, why: str, status: int = EXIT_DEVICE_LOST) -> None:
+        """The process can serve nothing again (a broken CUDA context): health NOT_SERVING at
+        once, the listener closed after a short grace (the calls already answered UNAVAILABLE
+        reach their callers, who retry elsewhere), then `exit(status)` without the usual
+        teardown, which would wait on work stuck on the broken device. Non-zero, so that the
+        supervisor restarts the process."""
+        logger.critical("%s: NOT_SERVING, exiting with status %d for a restart", why, status)
+        await self.set_serving(False)
+        if self.server is not None:
+            try:
+                await asyncio.wait_for(self.server.stop(1.0), 5.0)
+            except TimeoutError:
+                pass
+        for handler in logging.getLogger().handlers:  # os._exit flushes nothing
+            handler.flush()
+        self.exit(status)
 
     async def kill(self) -> None:
         """Stop at once, as a crashed process would: every call on it ends now (tests)."""

@@ -41,6 +41,8 @@ class Service:
 
     def __init__(self, config: Any):
         self.config = config
+        self.listener: GrpcServer | None = None  # set by the GrpcServer serving it
+        self._exiting: asyncio.Task | None = None
 
     @property
     def options(self) -> ServerOptions:
@@ -61,6 +63,15 @@ class Service:
 
     async def stop(self) -> None:
         """End the background work and release resources; the listener has drained."""
+
+    def device_lost(self, exc: BaseException) -> None:
+        """Event loop: the device is unusable for this process's life (token2wav/faults.py).
+        The listener goes NOT_SERVING and the process exits non-zero for a restart."""
+        if self._exiting is None and self.listener is not None:
+            self._exiting = asyncio.get_running_loop().create_task(
+                self.listener.exit_for_restart(f"{self.log_name}: device lost ({exc})"),
+                name="exit-for-restart",
+            )
 
 
 async def serve(service: Service) -> None:
