@@ -408,3 +408,19 @@ async def test_client_never_sends_a_message_the_gateway_must_refuse_for_its_size
                 client.stream(big)
     finally:
         await stack.stop()
+
+
+async def test_a_taken_health_port_fails_start_in_one_line():
+    import socket
+
+    from token2wav.errors import StartupError
+    from token2wav.server import GrpcServer, ServerOptions
+    from token2wav.service import Service
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = GrpcServer(ServerOptions(port=0, health_port=port), Service(None))
+        with pytest.raises(StartupError, match=f"^--health-port {port}: .*already in use"):
+            await server.start()
