@@ -375,10 +375,10 @@ def test_certificate_files_are_reloaded_when_they_change(pki, tmp_path):
 
 async def test_client_never_sends_a_message_the_gateway_must_refuse_for_its_size(models):
     """A message over the gateway's cap is refused by its transport while the client still
-    writes it, and grpc.aio then reports only `Internal error from Core` (which the client
-    could only call a retryable ABORTED, about 1 in 3 times for a 9 MB message). The client
-    refuses it before writing instead: InvalidArgument every time, and the stream stays
-    usable."""
+    writes it, and grpc.aio then reports only `Internal error from Core`, which the client
+    could only call a retryable ABORTED (some of the time: it is a race). The client refuses
+    such a message before writing it instead: InvalidArgument every time, and the stream
+    stays usable."""
     from gateway.client import DEFAULT_MAX_MESSAGE_MB
     from gateway.config import build_parser as gateway_parser
     from token2wav import MAX_FRAMES, TOKEN_MEL_RATIO
