@@ -47,11 +47,11 @@ def is_device_lost(exc: BaseException) -> bool:
 
 
 class RowOutOfMemory(Exception):
-    """One row ran out of device memory even in a batch of its own."""
+    """One row ran out of device memory even in a batch of its own. The message goes to the
+    caller, so it leaves out the allocator's figures (the runner logs them)."""
 
     def __init__(self, cause: BaseException):
-        first = (str(cause).strip().splitlines() or [""])[0]
-        super().__init__(f"out of GPU memory even in a batch of its own ({first[:200]})")
+        super().__init__("out of GPU memory even in a batch of its own")
         self.cause = cause
 
 
