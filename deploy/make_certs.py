@@ -1,12 +1,23 @@
-"""Make a local CA and the certificates for running the stack with TLS and authentication.
+"""Make a local CA and one certificate per identity, for running the stack with TLS and
+authentication.
 
     python deploy/make_certs.py --out deploy/tls     # then:
     docker compose -f docker-compose.yml -f deploy/compose.tls.yml up
 
-Writes (PEM): ca.crt / ca.key (the CA; keep ca.key off the containers), server.crt /
-server.key (one certificate for every service, with the compose service names, localhost and
-127.0.0.1 as names), gateway.crt / gateway.key (the gateway's client certificate for mutual TLS;
-the vocoder accepts control calls from it), and tokens.txt (one random bearer token, `client`).
+Writes (PEM), each key readable by its owner only:
+  ca.crt / ca.key                 the CA; ca.key never goes into a container or a Secret
+  gateway.crt / gateway.key       the gateway's public listener (names `token2wav`, localhost,
+                                  127.0.0.1, and each --server-name)
+  gateway-client.crt / .key       the gateway's client certificate towards flow and vocoder;
+                                  the only one named `gateway`, the identity the vocoder's
+                                  --control-clients accepts
+  flow.crt / flow.key             the flow service's listener
+  vocoder.crt / vocoder.key       the vocoder service's listener
+  tokens.txt                      one random bearer token, `client`
+Flow and vocoder certificates carry their service name and `token2wav-internal`, the name the
+gateway checks when it dials replicas by IP (--internal-server-name); neither carries
+`gateway` or `token2wav`, so a flow or vocoder key can neither make control calls nor pose as
+the public gateway. Each service mounts only its own pair and ca.crt.
 For a throwaway or local setup only: production certificates come from your own CA (e.g.
 cert-manager in Kubernetes). Needs the `cryptography` package (a dev extra).
 """
@@ -20,7 +31,16 @@ import secrets
 import sys
 from pathlib import Path
 
-SERVER_NAMES = ("token2wav", "flow", "vocoder", "gateway", "localhost", "127.0.0.1")
+INTERNAL_NAME = "token2wav-internal"  # what the gateway's --internal-server-name checks
+LOCAL = ("localhost", "127.0.0.1")
+# stem -> the names of a listener's certificate (the first is its common name)
+SERVERS = {
+    "gateway": ("token2wav", *LOCAL),
+    "flow": ("flow", INTERNAL_NAME, *LOCAL),
+    "vocoder": ("vocoder", INTERNAL_NAME, *LOCAL),
+}
+# stem -> the identity of a client certificate (its common name and only DNS name)
+CLIENTS = {"gateway-client": "gateway"}
 
 
 def _name(cn: str):
@@ -48,12 +68,12 @@ def _write(out: Path, stem: str, cert, key) -> tuple[str, str]:
 
 def make_pki(
     out: Path,
-    server_names=SERVER_NAMES,
-    clients=("gateway",),
+    servers: dict[str, tuple[str, ...]] | None = None,
+    clients: dict[str, str] | None = None,
     days: int = 365,
 ) -> dict[str, tuple[str, str]]:
-    """A CA, a server certificate for `server_names` (DNS names or IPs) and one client
-    certificate per name in `clients`; returns stem -> (cert file, key file)."""
+    """A CA, one listener certificate per `servers` entry (stem -> DNS names or IPs) and one
+    client certificate per `clients` entry (stem -> identity); returns stem -> (cert, key)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -96,9 +116,10 @@ def make_pki(
         )
         return cert, key
 
-    files["server"] = _write(out, "server", *leaf(server_names[0], server_names))
-    for name in clients:
-        files[name] = _write(out, name, *leaf(name, [name]))
+    for stem, names in (SERVERS if servers is None else servers).items():
+        files[stem] = _write(out, stem, *leaf(names[0], names))
+    for stem, identity in (CLIENTS if clients is None else clients).items():
+        files[stem] = _write(out, stem, *leaf(identity, [identity]))
     return files
 
 
@@ -114,17 +135,19 @@ def main(argv: list[str] | None = None) -> int:
         "--server-name",
         action="append",
         default=[],
-        help="extra DNS name or IP for the server certificate (repeatable)",
+        help="extra DNS name or IP for the gateway's listener certificate (repeatable), e.g. "
+        "the name clients dial it by",
     )
     a = p.parse_args(argv)
     out = Path(a.out)
-    files = make_pki(out, (*SERVER_NAMES, *a.server_name), ("gateway",), a.days)
+    servers = {**SERVERS, "gateway": (*SERVERS["gateway"], *a.server_name)}
+    files = make_pki(out, servers, CLIENTS, a.days)
     tokens = out / "tokens.txt"
     tokens.write_text(f"# NAME TOKEN [METHOD,...]\nclient {secrets.token_urlsafe(32)}\n")
     tokens.chmod(0o600)
     for stem, (crt, key) in files.items():
-        print(f"{stem:8s} {crt} {key}")
-    print(f"tokens   {tokens} (give the client's token to AsyncClient(token=...))")
+        print(f"{stem:14s} {crt} {key}")
+    print(f"{'tokens':14s} {tokens} (give the client's token to AsyncClient(token=...))")
     return 0
 
 

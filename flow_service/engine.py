@@ -5,7 +5,10 @@ the `Scheduler` for a `Plan`, has the `FlowRunner` (flow_service/runner.py) run 
 thread (own CUDA stream, CUDA graphs) so the event loop keeps accepting calls while a batch
 computes, and hands each slot's result to the call in that slot. A call cancelled while waiting
 leaves the queue; one cancelled while its batch runs has its row discarded. A batch that raises
-fails only its own calls.
+fails only its own calls; one out of GPU memory is split and retried (flow_service/contain.py),
+so only a row that cannot run even alone fails, with RESOURCE_EXHAUSTED naming its request. A
+sticky device error (token2wav/faults.py) answers every call UNAVAILABLE, stops the loop and
+calls `on_device_lost`, which takes the replica down for a restart.
 
 Preemption: a batch of later chunks takes 10 solver steps, up to a couple of seconds at 64 rows
 of long chunks. A first chunk arriving meanwhile (time to first audio) would wait for all of
@@ -23,16 +26,19 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from flow_service import metrics
+from flow_service.contain import execute_contained
 from flow_service.costmodel import CostModel, num_solver_steps
 from flow_service.model import FlowModel, FlowRequest, PrefixCache
 from flow_service.runner import BetweenSteps, FlowRunner, UrgentRequest
 from flow_service.scheduler import BatchPolicy, CallStatus, PendingCall, Plan, Scheduler
-from token2wav.errors import DeadlineExceeded, ServiceError, Unavailable
+from token2wav.errors import DeadlineExceeded, ResourceExhausted, ServiceError, Unavailable
+from token2wav.faults import RowOutOfMemory, is_device_lost
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +107,9 @@ class FlowEngine:
         self._task: asyncio.Task | None = None
         self._futures: dict[int, asyncio.Future] = {}  # call_id -> the waiting caller's future
         self.num_batches = 0
+        # Set once a sticky device error was seen: no batch runs again in this process.
+        self.device_lost: BaseException | None = None
+        self.on_device_lost: Callable[[BaseException], None] | None = None  # the service's
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -166,6 +175,8 @@ class FlowEngine:
     async def _submit_now(
         self, request: FlowRequest, deadline: float, due: float, sent: float
     ) -> FlowResult:
+        if self.device_lost is not None:
+            raise Unavailable("this flow replica lost its GPU and is restarting; retry another")
         if not self.policy.deadline_scheduling:
             due = math.inf
         call = PendingCall(
@@ -236,6 +247,8 @@ class FlowEngine:
             except Exception as exc:  # noqa: BLE001 - the batch's calls fail, the server lives
                 logger.exception("batch of %d failed", len(plan.calls))
                 self._finish(plan, None, exc, started)
+                if self.device_lost is not None:
+                    return
                 continue
             self._finish(plan, outputs, None, started)
 
@@ -273,7 +286,9 @@ class FlowEngine:
             between_steps = BetweenSteps(
                 self._loop_ref, self._urgent, self._take_urgent, self._run_urgent
             )
-        outputs, wall, own = self.runner.execute([c.payload for c in plan.calls], between_steps)
+        outputs, wall, own = execute_contained(
+            self.runner, [c.payload for c in plan.calls], between_steps, _count_fault
+        )
         if len(outputs) != len(plan.calls):
             raise SlotMismatch(f"model returned {len(outputs)} results for {len(plan.calls)} slots")
         return outputs, wall, own
@@ -342,9 +357,13 @@ class FlowEngine:
         metrics.PADDING_EFFICIENCY.observe(plan.padding_efficiency)
         if exc is not None:
             error = exc if isinstance(exc, ServiceError) else RuntimeError(f"batch failed: {exc}")
+            if is_device_lost(exc):
+                error = Unavailable("this flow replica lost its GPU; retry another")
             for call in plan.calls:
                 call.status = CallStatus.DONE
                 self._fail(call, error)
+            if is_device_lost(exc):
+                self._lose_device(exc)
             return
         outputs, compute_s, own_s = result
         metrics.COMPUTE.observe(own_s)  # GPU time of this batch alone: the sum stays <= wall
@@ -373,11 +392,35 @@ class FlowEngine:
             future = self._futures.get(call.call_id)
             if future is None or future.done():
                 continue  # cancelled while running: its row is discarded
+            if isinstance(outputs[slot], RowOutOfMemory):
+                rid = call.payload.cache_key or "(no request_id)"
+                future.set_exception(ResourceExhausted(f"request {rid}: {outputs[slot]}"))
+                continue
             queue_s = started - call.arrival
             metrics.QUEUE_WAIT.observe(queue_s)
             future.set_result(
                 FlowResult(outputs[slot], queue_s * 1e3, compute_s * 1e3, n, plan.num_padded_frames)
             )
+
+    def _lose_device(self, exc: BaseException) -> None:
+        """Loop thread: a sticky device error. The waiting calls get UNAVAILABLE (the gateway
+        retries them on another replica), no batch runs again, and the service is told."""
+        if self.device_lost is not None:
+            return
+        self.device_lost = exc
+        metrics.GPU_FAULTS.labels("device_lost").inc()
+        logger.critical("device lost (%s); failing %d waiting calls", exc, len(self.scheduler))
+        for call in self.scheduler.waiting:
+            call.status = CallStatus.DONE
+            self._fail(call, Unavailable("this flow replica lost its GPU; retry another"))
+        self.scheduler.waiting.clear()
+        self._queue_changed()
+        if self.on_device_lost is not None:
+            self.on_device_lost(exc)
+
+
+def _count_fault(kind: str) -> None:
+    metrics.GPU_FAULTS.labels(kind).inc()
 
 
 async def _wait_all(events: list[asyncio.Event]) -> None:

@@ -34,6 +34,13 @@ CAPACITY = Gauge(
 LATE = Counter(
     "t2w_flow_late_calls_total", "Calls with a playback deadline whose batch finished after it"
 )
+GPU_FAULTS = Counter(
+    "t2w_flow_gpu_faults_total",
+    "GPU faults contained: oom_split (a batch out of memory, retried as two halves), oom_row (a "
+    "row out of memory alone: its call alone failed), device_lost (a sticky CUDA error: the "
+    "replica went NOT_SERVING and exited for a restart)",
+    ["kind"],
+)
 PREFIX_CACHE_LOOKUPS = Counter(
     "t2w_flow_prefix_cache_lookups_total",
     "Streaming rows that could reuse a cached prefix, by outcome: hit (own stream), voice_hit "

@@ -24,6 +24,7 @@ import torch
 
 from flow_service.model import FlowModel, FlowRequest, PrefixCache
 from flow_service.warmup import warmup_batch
+from token2wav.faults import FaultInjector
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class FlowRunner:
         # "Prefix cache").
         self.graph_max_frames = graph_max_frames
         self._nested_s = 0.0  # runner thread only: time spent in urgent batches
+        self.faults: FaultInjector | None = None  # tests only: errors raised before a batch
 
     def graphed(self, requests: list[FlowRequest]) -> bool:
         """Whether this batch replays CUDA graphs (else it runs eagerly, with the cache)."""
@@ -189,6 +191,8 @@ class FlowRunner:
     ) -> tuple[list[torch.Tensor], float, float]:
         """Worker thread: (outputs, wall s, own s). Wall time includes any urgent batch run
         between this batch's steps (what its callers waited); own time does not."""
+        if self.faults is not None:
+            self.faults.check(requests)
         t0 = time.perf_counter()
         nested_before = self._nested_s
         hook = None

@@ -76,6 +76,7 @@ class FlowService(Service):
             order_streams=config.prefix_cache.order_streams,
         )
         self.servicer = FlowServicer(self.engine, VoiceCache(config.max_voices))
+        self.engine.on_device_lost = self.device_lost  # NOT_SERVING, exit for a restart
 
     @staticmethod
     def check(config: FlowConfig) -> None:

@@ -6,7 +6,8 @@
   grace periods that cover a drain plus the longest stream, GPU requests, env vars that the
   services really read, with values they accept.
 - deploy/k8s-tls (overlay) and deploy/k8s/frontend (component): their patches applied to the base
-  objects, then the same checks, plus TLS probes and files inside the Secret's mount.
+  objects, then the same checks, plus probes on the plaintext health port, files inside the
+  Secret's mount, and no pod holding another identity's key.
 - docker-compose.yml (+ deploy/compose.*.yml): Compose v2's own `config` check, then the same
   contract on the resolved model (health checks, service_healthy, DNS addresses, scalability).
 - Dockerfile / .dockerignore: public default base, non-root, a build context that holds
@@ -605,8 +606,7 @@ def test_overlay_deployments_match_schema(overlay, version):
 
 
 def test_strategic_merge_can_fail_the_schema():
-    # Without `grpc: null` a probe would keep both handlers, which the API server refuses; the
-    # schema cannot see that, so the TLS test checks it itself. A misspelt field it does see:
+    # The schema sees a misspelt field of a patched object:
     dep = patched("tls")["flow"]
     bad = strategic_merge(
         dep, {"spec": {"template": {"spec": {"volumes": [{"name": "tls", "secrett": {}}]}}}}
@@ -631,30 +631,32 @@ def _secret_files(dep: dict) -> tuple[str, set[str]]:
 
 
 def check_tls(name: str, dep: dict, patch: dict) -> None:
-    """TLS is on, the probes speak it, and every file the patch names is in the Secret."""
+    """TLS is on, every file the patch names is in the Secret, each pod holds only its own
+    keys, and the probes go to the plaintext health port (the kubelet's gRPC probe cannot speak
+    TLS), which is not the TLS port."""
     c = container(dep)
     prefix, port, _ = SERVICES[name]
     env = env_of(c)
     root, files = _secret_files(dep)
     assert f"{prefix}_TLS_CERT" in env and f"{prefix}_TLS_KEY" in env
+    assert "ca.key" not in files
+    keys = {f for f in files if f.endswith(".key")}
     if name == "gateway":
         assert {"GATEWAY_AUTH_TOKENS", "GATEWAY_INTERNAL_CA", "GATEWAY_INTERNAL_CERT"} <= set(env)
+        assert keys == {"gateway.key", "gateway-client.key"}
     else:  # mutual TLS: only the gateway's certificate gets in
         assert f"{prefix}_TLS_CLIENT_CA" in env
-        assert "tokens.txt" not in files  # the bearer tokens stay with the gateway
+        assert files == {"ca.crt", f"{name}.crt", f"{name}.key"}  # no other identity's key
     if name == "vocoder":
         assert env["VOCODER_CONTROL_CLIENTS"] == "gateway"
     mine = {e["name"] for e in patch["spec"]["template"]["spec"]["containers"][0]["env"]}
     paths = [v for k, v in env.items() if k in mine and v.startswith("/")]
+    health = int(env[f"{prefix}_HEALTH_PORT"])
+    assert health != port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         p = c[probe]
-        assert "grpc" not in p, f"{probe}: the kubelet's grpc probe cannot speak TLS"
-        cmd = p["exec"]["command"]
-        assert cmd[:3] == ["python", "-m", "token2wav.healthcheck"]
-        assert cmd[cmd.index("--addr") + 1] == f"127.0.0.1:{port}"
-        assert cmd[cmd.index("--tls-ca") + 1] == f"{root}/ca.crt"
-        assert ("--tls-cert" in cmd) == (name != "gateway")  # a client cert where mTLS is on
-        paths += [a for a in cmd if a.startswith("/")]
+        assert "exec" not in p, probe
+        assert p["grpc"]["port"] == health, f"{probe}: the TLS port refuses a plaintext probe"
     for path in paths:
         assert path.startswith(root + "/") and path[len(root) + 1 :] in files, path
 
@@ -676,11 +678,16 @@ def test_tls_overlay_turns_tls_on_with_files_from_the_secret(name):
 def _key_not_in_secret(patch):
     env = patch["spec"]["template"]["spec"]["containers"][0]["env"]
     (e,) = [e for e in env if e["name"] == "FLOW_TLS_KEY"]
-    e["value"] = "/certs/flow.key"  # a key the Secret's items do not project
+    e["value"] = "/certs/server.key"  # a key the Secret's items do not project
 
 
-def _grpc_probe_kept(patch):
-    del patch["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]
+def _probe_on_the_tls_port(patch):
+    patch["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = 50052
+
+
+def _another_identity_key(patch):
+    items = patch["spec"]["template"]["spec"]["volumes"][0]["secret"]["items"]
+    items.append({"key": "gateway-client.key", "path": "gateway-client.key"})
 
 
 def _outside_the_mount(patch):
@@ -689,7 +696,10 @@ def _outside_the_mount(patch):
     )
 
 
-@pytest.mark.parametrize("mutate", [_key_not_in_secret, _grpc_probe_kept, _outside_the_mount])
+@pytest.mark.parametrize(
+    "mutate",
+    [_key_not_in_secret, _probe_on_the_tls_port, _another_identity_key, _outside_the_mount],
+)
 def test_tls_overlay_check_can_fail(mutate):
     patch = copy.deepcopy(tls_patch("flow"))
     mutate(patch)

@@ -109,8 +109,17 @@ def add_server_flags(
     parser.flag(
         "--reflection",
         type=bool,
-        default=True,
-        help="serve gRPC reflection (grpcurl can list the API); turn off in production",
+        default=False,
+        help="serve gRPC reflection (grpcurl can list the API); behind the same bearer token "
+        "as the API where --auth-tokens is set",
+    )
+    parser.flag(
+        "--health-port",
+        type=int,
+        default=0,
+        help="plaintext port serving grpc.health.v1 and nothing else (no TLS, no token), for "
+        "probes that hold no client certificate: the kubelet's gRPC probe, compose "
+        "healthchecks; 0: none (health is always on the gRPC port too)",
     )
     parser.flag("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)")
 

@@ -11,7 +11,8 @@ for local runs).
 - Bearer tokens on the gateway: `--auth-tokens FILE`, one `NAME TOKEN [METHOD,...]` per line
   (methods: Synthesize, RegisterVoice, DeleteVoice; none listed = all). No or unknown token:
   UNAUTHENTICATED; a method the token does not list: PERMISSION_DENIED. NAME is the client's
-  identity for the per-client limits and voice ownership.
+  identity for the per-client limits and voice ownership. Reflection (`--reflection`, off by
+  default) needs a valid token too; health needs none.
 - Vocoder control calls (CancelSession, ExportSession, ImportSession): `--control-clients NAME,...`
   accepts them only from a peer whose verified client certificate names one of NAME (common
   name or DNS SAN): an authenticated gateway. Needs `--tls-client-ca`.
@@ -167,9 +168,11 @@ async def refuse_stream(requests, context, exc: Exception, drain_s: float = 2.0)
 
 
 class _Wrapping(grpc.aio.ServerInterceptor):
-    """Runs `check(method, context)` inside the handler's task before the handler itself."""
+    """Runs `check(method, context)` inside the handler's task before the handler itself.
+    Health stays open (probes hold no token); reflection, when on, is checked like the API:
+    it describes every method, which is no business of an unauthenticated caller."""
 
-    skip = ("/grpc.health", "/grpc.reflection")
+    skip = ("/grpc.health",)
 
     async def check(self, method: str, context) -> None:
         raise NotImplementedError

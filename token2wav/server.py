@@ -1,8 +1,8 @@
 """The gRPC server bootstrap shared by gateway, flow_service and vocoder_service.
 
 `GrpcServer` owns the grpc.aio server, `grpc.health.v1` (NOT_SERVING until the service says it
-is warm, NOT_SERVING again on drain), reflection, the Prometheus endpoint, the error
-interceptor, and SIGTERM/SIGINT handling: health -> NOT_SERVING, optional drain delay, then
+is warm, NOT_SERVING again on drain; optionally also alone on a plaintext port), reflection
+(off by default), the Prometheus endpoint, the error interceptor, and SIGTERM/SIGINT handling: health -> NOT_SERVING, optional drain delay, then
 `stop(grace)` so in-flight streams finish while new calls get UNAVAILABLE.
 """
 
@@ -12,6 +12,7 @@ import asyncio
 import contextvars
 import errno
 import logging
+import os
 import signal
 import socket
 import time
@@ -25,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Histogram, start_http_server
 
 from token2wav.errors import BadMessage, StartupError, status_for
+from token2wav.faults import EXIT_DEVICE_LOST
 from token2wav.security import server_credentials
 
 logger = logging.getLogger(__name__)
@@ -54,8 +56,11 @@ class ServerOptions:
     tls_cert: str | None = None  # PEM files; both set: TLS on the gRPC listener
     tls_key: str | None = None
     tls_client_ca: str | None = None  # set: mutual TLS, clients need a cert signed by this CA
-    reflection: bool = True
+    reflection: bool = False  # on: behind the same interceptors (tokens) as the API
     interceptors: tuple = ()  # e.g. authentication; they run inside the error mapping
+    # grpc.health.v1 alone, plaintext, on its own port: probes that hold no client key.
+    # None: none; 0: any free port (tests).
+    health_port: int | None = None
 
     def __post_init__(self):
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -76,7 +81,8 @@ class ServerOptions:
             getattr(args, "tls_cert", None),
             getattr(args, "tls_key", None),
             getattr(args, "tls_client_ca", None),
-            getattr(args, "reflection", True),
+            getattr(args, "reflection", False),
+            health_port=getattr(args, "health_port", 0) or None,
         )
 
 
@@ -187,7 +193,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or details.method.startswith(("/grpc.health", "/grpc.reflection")):
+        # Reflection goes through here too: a token check in front of it must map to a status.
+        if handler is None or details.method.startswith("/grpc.health"):
             return handler
         method = details.method
 
@@ -271,9 +278,13 @@ class GrpcServer:
         self.health = HealthServicer()
         self.port = 0
         self.metrics_port = 0
+        self.health_port = 0
+        self._health_server: grpc.aio.Server | None = None
         self._metrics_httpd = None
         self._serving: bool | None = None  # what health last said; None before the first call
         self._stop = asyncio.Event()
+        self.exit = os._exit  # how exit_for_restart ends the process (tests put their own)
+        service.listener = self
 
     async def start(self) -> int:
         opts = self.options
@@ -310,6 +321,8 @@ class GrpcServer:
             problem = problem or bind_problem(opts.host, opts.port) or "cannot listen there"
             raise StartupError(f"--port {opts.port}: {problem}")
         await self.server.start()
+        if opts.health_port is not None:
+            await self._start_health(opts.host, opts.health_port)
         if opts.metrics_port is not None:
             try:
                 self._metrics_httpd, _ = start_http_server(opts.metrics_port, addr=opts.host)
@@ -322,13 +335,34 @@ class GrpcServer:
                 ) from None
             self.metrics_port = self._metrics_httpd.server_port
         logger.info(
-            "listening on %s:%d (%s; metrics %s)",
+            "listening on %s:%d (%s; metrics %s; plaintext health %s)",
             opts.host,
             self.port,
             ("mutual TLS" if opts.tls_client_ca else "TLS") if opts.tls_cert else "plaintext",
             self.metrics_port or "off",
+            self.health_port or "off",
         )
         return self.port
+
+    async def _start_health(self, host: str, port: int) -> None:
+        """The health port: the same health servicer as the main listener, nothing else, no
+        TLS, so a probe needs no key (the kubelet's gRPC probe speaks plaintext only). It tells
+        anyone who can reach it SERVING or NOT_SERVING, and nothing more."""
+        self._health_server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", 4096), ("grpc.so_reuseport", 0)]
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        problem = bind_problem(host, port) if port else None
+        if problem is None:
+            try:
+                self.health_port = self._health_server.add_insecure_port(f"{host}:{port}")
+            except RuntimeError:
+                self.health_port = 0
+        if self.health_port == 0:
+            await self.server.stop(None)
+            problem = problem or bind_problem(host, port) or "cannot listen there"
+            raise StartupError(f"--health-port {port}: {problem}")
+        await self._health_server.start()
 
     async def _set_all(self, status) -> None:
         for name in ("", *self.service_names):
@@ -366,6 +400,23 @@ class GrpcServer:
         await self._close(self.options.grace_period)
         logger.info("stopped")
 
+    async def exit_for_restart(self, why: str, status: int = EXIT_DEVICE_LOST) -> None:
+        """The process can serve nothing again (a broken CUDA context): health NOT_SERVING at
+        once, the listener closed after a short grace (the calls already answered UNAVAILABLE
+        reach their callers, who retry elsewhere), then `exit(status)` without the usual
+        teardown, which would wait on work stuck on the broken device. Non-zero, so that the
+        supervisor restarts the process."""
+        logger.critical("%s: NOT_SERVING, exiting with status %d for a restart", why, status)
+        await self.set_serving(False)
+        if self.server is not None:
+            try:
+                await asyncio.wait_for(self.server.stop(1.0), 5.0)
+            except TimeoutError:
+                pass
+        for handler in logging.getLogger().handlers:  # os._exit flushes nothing
+            handler.flush()
+        self.exit(status)
+
     async def kill(self) -> None:
         """Stop at once, as a crashed process would: every call on it ends now (tests)."""
         await self._close(None)
@@ -373,6 +424,9 @@ class GrpcServer:
     async def _close(self, grace: float | None) -> None:
         if self.server is not None:
             await self.server.stop(grace)
+        if self._health_server is not None:
+            await self._health_server.stop(None)
+            self._health_server = None
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
             self._metrics_httpd = None

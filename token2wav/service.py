@@ -41,6 +41,8 @@ class Service:
 
     def __init__(self, config: Any):
         self.config = config
+        self.listener: GrpcServer | None = None  # set by the GrpcServer serving it
+        self._exiting: asyncio.Task | None = None
 
     @property
     def options(self) -> ServerOptions:
@@ -61,6 +63,15 @@ class Service:
 
     async def stop(self) -> None:
         """End the background work and release resources; the listener has drained."""
+
+    def device_lost(self, exc: BaseException) -> None:
+        """Event loop: the device is unusable for this process's life (token2wav/faults.py).
+        The listener goes NOT_SERVING and the process exits non-zero for a restart."""
+        if self._exiting is None and self.listener is not None:
+            self._exiting = asyncio.get_running_loop().create_task(
+                self.listener.exit_for_restart(f"{self.log_name}: device lost ({exc})"),
+                name="exit-for-restart",
+            )
 
 
 async def serve(service: Service) -> None:
@@ -86,9 +97,15 @@ async def start(service: Service, *, warmup: bool = True) -> GrpcServer:
 
 
 def check_ports(args: Any) -> None:
-    """Fail at once, in one line, when --port or --metrics-port is taken: before a model loads
-    for minutes only to find its port in use (the server checks again when it binds)."""
-    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+    """Fail at once, in one line, when --port, --metrics-port or --health-port is taken: before
+    a model loads for minutes only to find its port in use (the server checks again when it
+    binds)."""
+    ports = (
+        ("--port", args.port),
+        ("--metrics-port", args.metrics_port),
+        ("--health-port", args.health_port),
+    )
+    for flag, port in ports:
         problem = bind_problem(args.host, port) if port else None
         if problem is not None:
             raise StartupError(f"{flag} {port}: {problem}")

@@ -6,15 +6,23 @@ within `urgent_max_frames`, and the others run in the next batch (`SessionManage
 
 `max_batch_sessions=1` turns batching across sessions off through the same code path (the A/B
 of the benchmark). The batcher touches no tensors: the runner does.
+
+GPU faults (token2wav/faults.py): a chunk out of memory even alone is refused with
+RESOURCE_EXHAUSTED naming its request (its session goes on); a sticky device error fails every
+chunk of the batch with UNAVAILABLE (the gateway moves those sessions to another replica), stops
+the loop and calls `on_device_lost`, which takes the replica down for a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from token2wav.errors import ResourceExhausted, Unavailable
+from token2wav.faults import RowOutOfMemory, is_device_lost
 from vocoder_service import metrics
 from vocoder_service.chunks import MelChunk
 from vocoder_service.config import BatcherConfig
@@ -43,6 +51,8 @@ class Batcher:
         # while the event loop keeps admitting chunks and answering duplicates.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="hift-batch")
         self.num_batches = 0
+        self.device_lost: BaseException | None = None  # set: no batch runs again
+        self.on_device_lost: Callable[[BaseException], None] | None = None  # the service's
 
     def schedule(self) -> BatchPlan | None:
         cfg = self.config
@@ -60,6 +70,10 @@ class Batcher:
             exc = RuntimeError(f"batch output has {len(out.audio)} slots, the plan {n}")
             out = BatchOutput([None] * n, [exc] * n, [True] * n)
         for i, chunk in enumerate(plan.chunks):
+            if isinstance(out.errors[i], RowOutOfMemory):
+                out.errors[i] = ResourceExhausted(
+                    f"request_id {chunk.request_id!r} seq {chunk.seq}: {out.errors[i]}"
+                )
             if out.errors[i] is None:
                 samples = out.state_samples[i] if i < len(out.state_samples) else None
                 self.manager.complete(
@@ -102,14 +116,26 @@ class Batcher:
                 self.executor, self.runner.execute, states, mels, finalize
             )
         except Exception as exc:  # noqa: BLE001 - the runner catches model errors; this is a bug
-            logger.exception("batch runner crashed")
             n = plan.num_slots
+            if is_device_lost(exc):
+                lost = Unavailable("this vocoder replica lost its GPU; move the session")
+                self.update(plan, BatchOutput([None] * n, [lost] * n, [True] * n))
+                self._lose_device(exc)
+                return plan
+            logger.exception("batch runner crashed")
             out = BatchOutput([None] * n, [exc] * n, [True] * n)
         self.update(plan, out)
         return plan
 
+    def _lose_device(self, exc: BaseException) -> None:
+        self.device_lost = exc
+        metrics.GPU_FAULTS.labels("device_lost").inc()
+        logger.critical("device lost (%s); this replica runs no more batches", exc)
+        if self.on_device_lost is not None:
+            self.on_device_lost(exc)
+
     async def run(self) -> None:
-        while True:
+        while self.device_lost is None:
             await self._wait_for_batch()
             await self.run_batch()
 

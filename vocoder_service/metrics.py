@@ -55,3 +55,10 @@ GRAPH_CALLS = Counter(
     "the buckets); start-up captures included",
     ["path"],  # replay | capture | eager
 )
+GPU_FAULTS = Counter(
+    "t2w_vocoder_gpu_faults_total",
+    "GPU faults contained: oom_split (a batch out of memory, retried as two halves), oom_row (a "
+    "chunk out of memory alone: it alone was refused, its session intact), device_lost (a "
+    "sticky CUDA error: the replica went NOT_SERVING and exited for a restart)",
+    ["kind"],
+)

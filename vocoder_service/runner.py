@@ -4,6 +4,9 @@ It sees slots (a list of states and mels), never sessions or request ids. Result
 by slot; a model that answers a different number of slots fails the whole batch (invariant 5).
 A bad input in one slot (a ValueError with `.field`, raised before any state changes) does not
 sink the others: the batch is re-run slot by slot, so only the offending chunk is rejected.
+An out-of-GPU-memory does not either: the batch is re-run as two halves, recursively, and a slot
+out of memory alone gets a `RowOutOfMemory` (not fatal: its state is untouched). A sticky device
+error (token2wav/faults.py) is raised out of `execute` for the batcher to take the replica down.
 """
 
 from __future__ import annotations
@@ -19,7 +22,14 @@ import torch
 
 from token2wav import MEL_BINS
 from token2wav.errors import InvalidArgument
-from vocoder_service.metrics import GRAPH_CALLS
+from token2wav.faults import (
+    FaultInjector,
+    RowOutOfMemory,
+    free_device_memory,
+    is_device_lost,
+    is_out_of_memory,
+)
+from vocoder_service.metrics import GPU_FAULTS, GRAPH_CALLS
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +60,14 @@ class HiFTRunner:
         # anything else on the device (another model in the process) does not serialise with it.
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._graph_counts = (0, 0, 0)  # the model's graph (captures, replays, eager) so far
+        self.faults: FaultInjector | None = None  # tests only: errors raised before a batch
 
     def new_state(self) -> Any:
         return self.model.new_session()
 
     def _run_batch(self, states: list, mels: list[np.ndarray], finalize: list[bool]) -> list:
+        if self.faults is not None:
+            self.faults.check(mels)
         # CPU float32 in: the model keeps its mel history on the host and moves each
         # batch to the device itself (one copy per batch rather than one per chunk).
         return self.model.decode_batch(states, [torch.from_numpy(m) for m in mels], finalize)
@@ -103,6 +116,11 @@ class HiFTRunner:
                     out.audio[i] = _to_numpy(a)
                 return
             except Exception as exc:  # noqa: BLE001 - sorted into input errors and failures
+                if is_device_lost(exc):
+                    raise
+                if is_out_of_memory(exc):
+                    self._split_after_oom(slots, states, mels, finalize, out, exc)
+                    return
                 bad = getattr(exc, "slot", None)  # the culprit's index in this batch's list
                 if is_input_error(exc) and isinstance(bad, int) and 0 <= bad < len(slots):
                     i = slots.pop(bad)
@@ -117,6 +135,22 @@ class HiFTRunner:
                 for i in slots:
                     out.errors[i], out.fatal[i] = _client_error(exc)
                 return
+
+    def _split_after_oom(self, slots, states, mels, finalize, out, exc) -> None:
+        """Out of memory: decode_batch commits the states only after all its device work, so
+        every state is as it was and the halves can be re-run; a slot alone keeps its state
+        and its seq open (a retry of the chunk may fit later)."""
+        free_device_memory()
+        if len(slots) == 1:
+            GPU_FAULTS.labels("oom_row").inc()
+            logger.error("HiFT slot out of memory alone: %s", exc)
+            out.errors[slots[0]], out.fatal[slots[0]] = RowOutOfMemory(exc), False
+            return
+        GPU_FAULTS.labels("oom_split").inc()
+        half = len(slots) // 2
+        logger.warning("HiFT batch of %d slots out of memory; retrying as halves", len(slots))
+        for part in (slots[:half], slots[half:]):
+            self._run_slots(part, states, mels, finalize, out)
 
     def warmup(self, num_frames: int = 24) -> float:
         """One dummy batch (kernels, allocator, lazy init), then, with CUDA graphs on, the

@@ -84,6 +84,7 @@ class VocoderService(Service):
             max_session_frames=MAX_SAMPLES // SAMPLES_PER_FRAME,
         )
         self.batcher = Batcher(self.manager, self.runner, config.batcher)
+        self.batcher.on_device_lost = self.device_lost  # NOT_SERVING, exit for a restart
         self.servicer = VocoderServicer(self.manager)
         self._tasks: list[asyncio.Task] = []
 

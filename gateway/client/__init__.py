@@ -34,7 +34,7 @@ import grpc
 import numpy as np
 
 from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner, ScheduleConfig
-from token2wav import SAMPLE_RATE, SAMPLES_PER_TOKEN, VOCAB_SIZE
+from token2wav import MAX_FRAMES, SAMPLE_RATE, SAMPLES_PER_TOKEN, TOKEN_MEL_RATIO, VOCAB_SIZE
 from token2wav.errors import DETAILS_KEY, STATUS_KEY, InvalidArgument
 from token2wav.security import channel_credentials
 from token2wav.server import channel_options
@@ -209,6 +209,46 @@ def _config(
 
 _CORE_WRITE_ERROR = "Internal error from Core"
 
+DEFAULT_MAX_MESSAGE_MB = 8  # the gateway's --max-message-mb default
+
+
+class _Outgoing:
+    """What a stream checks before it writes: a message the gateway must refuse for its size
+    never leaves the client. grpc.aio loses the status of a call the server ends while one of
+    our writes is in flight (grpc/grpc#36066), and a message over the server's cap is refused
+    by its transport mid-write, before any handler can repeat the status in headers; so the
+    client would see only `Internal error from Core`, which `honest_error` can only call a
+    retryable ABORTED. Refused here instead: InvalidArgument, every time. The token limit is
+    the protocol's (prompt + target at most 300 s), so no legal token message comes near a cap
+    (7,500 ids are under 16 kB); the config carries the voice, checked against the cap."""
+
+    def __init__(self, voice, max_message_mb: int):
+        prompt = 0 if isinstance(voice, str) else voice.num_prompt_tokens  # by id: unknown here
+        self.max_tokens = MAX_FRAMES // TOKEN_MEL_RATIO - prompt
+        self.max_bytes = max_message_mb << 20
+        self.num_tokens = 0
+
+    def config(self, msg: gateway_pb2.SynthesizeRequest) -> gateway_pb2.SynthesizeRequest:
+        size = msg.ByteSize()
+        if size > self.max_bytes:
+            raise InvalidArgument(
+                "config",
+                f"{size} bytes, over the gateway's message cap of {self.max_bytes >> 20} MiB "
+                "(max_message_mb)",
+            )
+        return msg
+
+    def tokens(self, ids: list[int]) -> gateway_pb2.SynthesizeRequest:
+        total = self.num_tokens + len(ids)
+        if total > self.max_tokens:
+            raise InvalidArgument(
+                "tokens",
+                f"{total} tokens in this stream, more than {self.max_tokens}: prompt + target "
+                "would exceed 300 s",
+            )
+        self.num_tokens = total
+        return gateway_pb2.SynthesizeRequest(tokens=gateway_pb2.TokenChunk(tokens=ids))
+
 
 def honest_error(exc: grpc.RpcError) -> grpc.RpcError:
     """The server's status for an error that grpc.aio replaced with `INTERNAL: Internal error
@@ -258,9 +298,12 @@ class AsyncStream:
         schedule=None,
         timeout=None,
         metadata=(),
+        max_message_mb=DEFAULT_MAX_MESSAGE_MB,
     ):
+        self._out = _Outgoing(voice, max_message_mb)
+        config = self._out.config(_config(voice, audio_format, request_id, schedule))
         self._requests: asyncio.Queue = asyncio.Queue()
-        self._requests.put_nowait(_config(voice, audio_format, request_id, schedule))
+        self._requests.put_nowait(config)
         self._call = stub.Synthesize(self._iter_requests(), timeout=timeout, metadata=metadata)
 
     async def _iter_requests(self):
@@ -271,13 +314,12 @@ class AsyncStream:
             yield msg
 
     async def send(self, tokens: Iterable[int]) -> None:
-        """Queue token ids. A bad id raises InvalidArgument here and sends nothing; the stream
-        stays open (send good ids, or cancel())."""
+        """Queue token ids. A bad id, or more tokens than a stream can have, raises
+        InvalidArgument here and sends nothing; the stream stays open (send good ids, or
+        cancel())."""
         ids = _wire_ids(tokens)
         if ids:
-            self._requests.put_nowait(
-                gateway_pb2.SynthesizeRequest(tokens=gateway_pb2.TokenChunk(tokens=ids))
-            )
+            self._requests.put_nowait(self._out.tokens(ids))
 
     async def end(self) -> None:
         self._requests.put_nowait(gateway_pb2.SynthesizeRequest(end=gateway_pb2.EndOfInput()))
@@ -297,7 +339,8 @@ class AsyncStream:
 class AsyncClient:
     """`tls_ca`: verify the gateway's TLS certificate with this CA file (None: plaintext);
     `token`: bearer token for a gateway run with --auth-tokens; `server_name`: the name in the
-    gateway's certificate when `target` is an IP."""
+    gateway's certificate when `target` is an IP; `max_message_mb`: the gateway's
+    --max-message-mb (a stream's config over it is refused here, see `_Outgoing`)."""
 
     def __init__(
         self,
@@ -306,9 +349,11 @@ class AsyncClient:
         tls_ca: str | None = None,
         token: str | None = None,
         server_name: str | None = None,
+        max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
     ):
         self.channel, self.metadata = _open_channel(grpc.aio, target, tls_ca, token, server_name)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        self.max_message_mb = max_message_mb
 
     async def __aenter__(self):
         return self
@@ -317,6 +362,7 @@ class AsyncClient:
         await self.channel.close()
 
     def stream(self, voice: VoiceData | str, **kw) -> AsyncStream:
+        kw.setdefault("max_message_mb", self.max_message_mb)
         return AsyncStream(self.stub, voice, metadata=self.metadata, **kw)
 
     async def register_voice(self, voice: VoiceData) -> str:
@@ -349,21 +395,23 @@ class Stream:
         schedule=None,
         timeout=None,
         metadata=(),
+        max_message_mb=DEFAULT_MAX_MESSAGE_MB,
     ):
+        self._out = _Outgoing(voice, max_message_mb)
+        config = self._out.config(_config(voice, audio_format, request_id, schedule))
         self._requests: queue.Queue = queue.Queue()
-        self._requests.put(_config(voice, audio_format, request_id, schedule))
+        self._requests.put(config)
         self._call = stub.Synthesize(
             iter(self._requests.get, None), timeout=timeout, metadata=metadata
         )
 
     def send(self, tokens: Iterable[int]) -> None:
-        """Queue token ids. A bad id raises InvalidArgument here and sends nothing; the stream
-        stays open (send good ids, or cancel())."""
+        """Queue token ids. A bad id, or more tokens than a stream can have, raises
+        InvalidArgument here and sends nothing; the stream stays open (send good ids, or
+        cancel())."""
         ids = _wire_ids(tokens)
         if ids:
-            self._requests.put(
-                gateway_pb2.SynthesizeRequest(tokens=gateway_pb2.TokenChunk(tokens=ids))
-            )
+            self._requests.put(self._out.tokens(ids))
 
     def end(self) -> None:
         self._requests.put(gateway_pb2.SynthesizeRequest(end=gateway_pb2.EndOfInput()))
@@ -391,9 +439,11 @@ class Client:
         tls_ca: str | None = None,
         token: str | None = None,
         server_name: str | None = None,
+        max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
     ):
         self.channel, self.metadata = _open_channel(grpc, target, tls_ca, token, server_name)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        self.max_message_mb = max_message_mb
 
     def __enter__(self):
         return self
@@ -402,6 +452,7 @@ class Client:
         self.channel.close()
 
     def stream(self, voice: VoiceData | str, **kw) -> Stream:
+        kw.setdefault("max_message_mb", self.max_message_mb)
         return Stream(self.stub, voice, metadata=self.metadata, **kw)
 
     def register_voice(self, voice: VoiceData) -> str:
