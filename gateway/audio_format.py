@@ -12,7 +12,7 @@ chunk adds to the stream; `sample_offset`s stay contiguous and the stream's tota
 resampled utterance. PCM formats carry exactly those samples. The resampler's filter delay
 makes the first chunks a little shorter and the final one longer by as much. Opus carries
 them with a lag of less than one 20 ms frame plus the encoder's lookahead (and, in Ogg, the
-page still open), which the final chunk flushes.
+last finished page, which FFmpeg's muxer holds until the next), which the final chunk flushes.
 
 Encoding state (resampler, encoder, muxer) is per stream; the work runs in a small shared
 thread pool (`encode` in the pipeline's order, one call per stream at a time) so the event loop
@@ -42,9 +42,11 @@ G711_RATE = 8000  # mu-law and A-law are telephony codecs: 8 kHz only
 OPUS_RATES = (8000, 16000, 24000, 48000)  # libopus's own rates among OUTPUT_RATES
 OPUS_FRAME_S = 0.020  # one packet: WebRTC's usual frame
 OPUS_BITRATE = 32000  # bit/s, mono speech; Opus is transparent for speech near here
-# Ogg pages close after this much audio: a chunk's last <= 100 ms waits for the next chunk (or
-# the end). 20 ms pages would add ~28 bytes per packet, over a third of a 32 kbit/s stream.
-OGG_PAGE_S = 0.100
+# One packet per Ogg page. FFmpeg's muxer keeps the last finished page until the next one
+# starts, so a chunk's end waits for the next chunk by up to a page plus the encoder's partial
+# frame: 27-66 ms with 20 ms pages, 107-207 ms with 100 ms ones (bench/audio_formats.py),
+# which would eat the client's buffer; the price is 28 framing bytes a page, ~9 kbit/s.
+OGG_PAGE_S = 0.020
 RESAMPLE_QUALITY = "HQ"  # soxr's default; VHQ measured no closer to the one-shot (both exact)
 WAV_UNKNOWN_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a stream whose length is not known yet
 ENCODER_THREADS = min(4, os.cpu_count() or 1)  # shared by every stream of the process
