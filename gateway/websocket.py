@@ -52,6 +52,7 @@ HEADER = struct.Struct("<IQIIB3x")  # seq, sample_offset, num_samples, sample_ra
 FLAG_FINAL = 1
 CONFIG_TIMEOUT_S = 10.0  # for the first message; a socket that says nothing is closed
 MAX_MESSAGE_BYTES = 4 << 20  # an inline voice of a 30 s prompt is ~1 MB as JSON
+CLOSE_TIMEOUT_S = 2.0  # a peer that does not answer our close frame is cut after this
 CLOSE_ERROR_BASE = 4000  # + grpc.StatusCode's number
 CLOSE_REASON_BYTES = 123  # RFC 6455: a close frame's reason fits in 123 bytes
 STATIC_DIR = Path(__file__).with_name("static")
@@ -154,6 +155,7 @@ class WebSocketBridge:
             self.host,
             self.port,
             max_size=MAX_MESSAGE_BYTES,
+            close_timeout=CLOSE_TIMEOUT_S,
             process_request=self._http,
         )
         self.port = self._server.sockets[0].getsockname()[1]

@@ -168,6 +168,7 @@ async def test_demo_page_and_sample_are_served(bridged):
     with pytest.raises(urllib.error.HTTPError) as info:
         await asyncio.to_thread(urllib.request.urlopen, base + "/nothing")
     assert info.value.code == 404
+    info.value.close()
 
 
 # ---- the demo page in headless Chromium ------------------------------------------------------
