@@ -16,6 +16,7 @@ from gateway.pipeline import PipelineLimits, StreamPipeline, StreamSetup
 from gateway.routing import ReplicaSet
 from gateway.schedule import ScheduleConfig
 from gateway.voices import VoiceMaker, voice_from_request
+from token2wav import tracing
 from token2wav.errors import (
     InvalidArgument,
     NotFound,
@@ -172,6 +173,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             async for msg in pipeline.run(inbound):
                 if client_audio is not None:
                     msg = await client_audio.convert(msg)
+                tracing.chunk_span(msg)
                 if first_chunk:
                     metrics.FIRST_CHUNK.observe(msg.timing.gateway_ms / 1e3)
                     first_chunk = False

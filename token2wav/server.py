@@ -25,6 +25,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from token2wav import tracing
 from token2wav.errors import BadMessage, StartupError, status_for
 from token2wav.security import server_credentials
 
@@ -287,7 +288,8 @@ class GrpcServer:
     async def start(self) -> int:
         opts = self.options
         self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor(), *opts.interceptors],
+            # Tracing outermost: its span then sees the status the error mapping chose.
+            interceptors=[*tracing.server_interceptors(), ErrorInterceptor(), *opts.interceptors],
             # No SO_REUSEPORT: with it a second server binds a taken port silently and the
             # two split the connections; without it a taken port fails here, at start.
             options=[*channel_options(opts.max_message_mb), ("grpc.so_reuseport", 0)],
