@@ -27,7 +27,7 @@ import io
 import os
 import struct
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import av
@@ -264,11 +264,15 @@ def _executor() -> ThreadPoolExecutor:
     return _pool
 
 
-async def encode(encoder: StreamEncoder, samples: np.ndarray, last: bool) -> tuple[bytes, int]:
-    """`encoder.encode` off the event loop. Callers await each chunk before the next, so one
+def submit(encoder: StreamEncoder, samples: np.ndarray, last: bool) -> Future:
+    """`encoder.encode` on the shared pool. Callers wait for each chunk before the next, so one
     stream's encoder is never used by two threads at once."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_executor(), encoder.encode, samples, last)
+    return _executor().submit(encoder.encode, samples, last)
+
+
+async def encode(encoder: StreamEncoder, samples: np.ndarray, last: bool) -> tuple[bytes, int]:
+    """`encoder.encode` off the event loop."""
+    return await asyncio.wrap_future(submit(encoder, samples, last))
 
 
 class ClientAudio:
@@ -279,12 +283,14 @@ class ClientAudio:
     def __init__(self, spec: OutputSpec):
         self.spec = spec
         self._encoder = StreamEncoder(spec)
+        self._inflight: Future | None = None  # the chunk being encoded, if any
 
     async def convert(self, msg):
         started = time.perf_counter()
         samples = np.frombuffer(msg.audio, dtype="<f4")
         offset = self._encoder.num_samples
-        data, num_samples = await encode(self._encoder, samples, msg.is_final)
+        self._inflight = submit(self._encoder, samples, msg.is_final)
+        data, num_samples = await asyncio.wrap_future(self._inflight)
         msg.audio = data
         msg.num_samples = num_samples
         msg.sample_offset = offset
@@ -294,4 +300,9 @@ class ClientAudio:
         return msg
 
     def close(self) -> None:
-        self._encoder.close()
+        """Frees the encoder; a stream cancelled mid-chunk leaves its encode running on the
+        pool, and FFmpeg's state must not be freed under it: then it is freed right after."""
+        if self._inflight is not None and not self._inflight.done():
+            self._inflight.add_done_callback(lambda _: self._encoder.close())
+        else:
+            self._encoder.close()

@@ -310,3 +310,38 @@ def test_bench_runs_every_case(capsys):
     kbps = {tuple(r.split(" | ")[:2]): float(r.split(" | ")[-1].rstrip(" |")) for r in rows[1:]}
     assert kbps[("| PCM16", "24000")] == 384.0 and kbps[("| MULAW", "8000")] == 64.0
     assert kbps[("| OPUS_PACKETS", "48000")] < 384.0 / 5
+
+
+async def test_cancelled_stream_frees_its_encoder_after_the_running_chunk(monkeypatch):
+    started, release = threading.Event(), threading.Event()
+    encode, close = StreamEncoder.encode, StreamEncoder.close
+    events = []
+
+    def slow(self, samples, last):
+        started.set()
+        release.wait(10)
+        out = encode(self, samples, last)
+        events.append("encoded")
+        return out
+
+    def recording_close(self):
+        events.append("closed")
+        close(self)
+
+    monkeypatch.setattr(StreamEncoder, "encode", slow)
+    monkeypatch.setattr(StreamEncoder, "close", recording_close)
+    hook = af.ClientAudio(OutputSpec(F.OPUS_OGG, 48000))
+    msg = gateway_pb2.SynthesizeResponse(audio=speechlike(24000).astype("<f4").tobytes())
+    task = asyncio.ensure_future(hook.convert(msg))
+    await asyncio.to_thread(started.wait, 10)
+    task.cancel()  # the client went away while its chunk was being encoded
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    hook.close()
+    assert events == []  # not freed under the running encode
+    release.set()
+    for _ in range(100):
+        if len(events) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert events == ["encoded", "closed"]
