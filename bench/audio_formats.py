@@ -16,7 +16,8 @@ preset's noise costs Opus more bits. Figures:
 - first chunk ms, chunk ms p50 / max: wall time of a chunk's encode call, what it adds to
   that chunk (the first, 1 s of audio, is the one first-chunk latency sees);
 - held ms: audio the final-less chunks held back on average (resampler delay, Opus's partial
-  20 ms frame and lookahead, the open Ogg page): it reaches the client with the next chunk;
+  20 ms frame and lookahead, the open Ogg page, MP3's frame and delay, as a decoder fed the
+  bytes so far sees it): it reaches the client with the next chunk;
 - kbit/s: bytes sent per second of audio, next to PCM16 at 24 kHz (384 kbit/s).
 """
 
@@ -27,9 +28,11 @@ import platform
 import statistics
 import time
 
+import av
 import numpy as np
 
 from gateway.audio_format import (
+    MP3_DELAY,
     OPUS_FRAME_S,
     AudioFormat,
     OutputSpec,
@@ -58,6 +61,8 @@ CASES = [
     (AudioFormat.OPUS_OGG, 48000),
     (AudioFormat.OPUS_PACKETS, 24000),
     (AudioFormat.OPUS_PACKETS, 48000),
+    (AudioFormat.MP3, 24000),
+    (AudioFormat.MP3, 48000),
 ]
 
 
@@ -85,13 +90,16 @@ def chunk_sizes(seconds: float) -> list[int]:
 def run_case(spec: OutputSpec, x: np.ndarray, sizes: list[int]) -> dict:
     enc = StreamEncoder(spec)
     opus = spec.audio_format in (AudioFormat.OPUS_OGG, AudioFormat.OPUS_PACKETS)
+    mp3 = av.codec.CodecContext.create("mp3", "r") if spec.audio_format == AudioFormat.MP3 else None
+    num_decoded = 0  # MP3 samples a decoder got from the frames so far
     walls, held, num_bytes, fed, num_packets = [], [], 0, 0, 0
-    cpu0 = time.thread_time()
+    cpu = 0.0  # encode calls only (not the held-back bookkeeping below)
     for k, n in enumerate(sizes):
         last = k == len(sizes) - 1
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         data, _ = enc.encode(x[fed : fed + n], last)
         walls.append(time.perf_counter() - t0)
+        cpu += time.thread_time() - c0
         fed += n
         num_bytes += len(data)
         if last:
@@ -103,10 +111,12 @@ def run_case(spec: OutputSpec, x: np.ndarray, sizes: list[int]) -> dict:
             else:
                 num_packets += _ogg_packets(data)
             decodable_s = max(0.0, num_packets * OPUS_FRAME_S - OPUS_LOOKAHEAD_S)
+        elif mp3 is not None:
+            num_decoded += sum(f.samples for p in mp3.parse(data) for f in mp3.decode(p))
+            decodable_s = max(0, num_decoded - MP3_DELAY) / spec.sample_rate
         else:
             decodable_s = enc.num_samples / spec.sample_rate
         held.append(1e3 * (fed / SAMPLE_RATE - decodable_s))
-    cpu = time.thread_time() - cpu0
     seconds = len(x) / SAMPLE_RATE
     return {
         "cpu_ms_per_s": 1e3 * cpu / seconds,

@@ -4,8 +4,8 @@ float32 chunks one stream at a time.
 - Rates: soxr's streaming resampler, whose chunked output equals its one-shot resample of the
   whole stream (tests/test_audio_format.py checks it sample for sample).
 - Formats: PCM16, FLOAT32, WAV (PCM16 after a streaming RIFF header), mu-law and A-law
-  (G.711, 8 kHz only) and Opus (libopus through PyAV's FFmpeg), in Ogg pages or as raw 20 ms
-  packets.
+  (G.711, 8 kHz only), Opus (libopus through PyAV's FFmpeg) in Ogg pages or as raw 20 ms
+  packets, and MP3 (LAME, bare MPEG frames).
 
 Counting: a chunk's `num_samples` is the number of samples, at the stream's rate, that the
 chunk adds to the stream; `sample_offset`s stay contiguous and the stream's total is the whole
@@ -42,6 +42,8 @@ G711_RATE = 8000  # mu-law and A-law are telephony codecs: 8 kHz only
 OPUS_RATES = (8000, 16000, 24000, 48000)  # libopus's own rates among OUTPUT_RATES
 OPUS_FRAME_S = 0.020  # one packet: WebRTC's usual frame
 OPUS_BITRATE = 32000  # bit/s, mono speech; Opus is transparent for speech near here
+MP3_BITRATE = 64000  # bit/s CBR; MP3 needs about twice Opus's rate for the same speech
+MP3_DELAY = 1105  # samples a decoder's output starts late by: LAME's 576 + the decoder's 529
 # One packet per Ogg page. FFmpeg's muxer keeps the last finished page until the next one
 # starts, so a chunk's end waits for the next chunk by up to a page plus the encoder's partial
 # frame: 27-66 ms with 20 ms pages, 107-207 ms with 100 ms ones (bench/audio_formats.py),
@@ -61,6 +63,7 @@ class AudioFormat(enum.IntEnum):
     OPUS_OGG = 5
     OPUS_PACKETS = 6
     WAV = 7
+    MP3 = 8
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,8 @@ class StreamEncoder:
             self._codec = self._open_codec("pcm_mulaw" if fmt == AudioFormat.MULAW else "pcm_alaw")
         elif fmt == AudioFormat.OPUS_PACKETS:
             self._codec = self._open_codec("libopus", bit_rate=OPUS_BITRATE, fmt="flt")
+        elif fmt == AudioFormat.MP3:
+            self._codec = self._open_codec("libmp3lame", bit_rate=MP3_BITRATE, fmt="fltp")
         elif fmt == AudioFormat.OPUS_OGG:
             self._sink = _Sink()
             page_us = str(round(OGG_PAGE_S * 1e6))
@@ -231,6 +236,11 @@ class StreamEncoder:
             if last:
                 packets += self._codec.encode(None)
             data = b"".join(struct.pack("<H", p.size) + bytes(p) for p in packets)
+        elif fmt == AudioFormat.MP3:
+            packets = list(self._codec.encode(self._frame(samples, "fltp"))) if len(samples) else []
+            if last:
+                packets += self._codec.encode(None)
+            data = b"".join(bytes(p) for p in packets)
         else:  # OPUS_OGG
             if len(samples):
                 for packet in self._stream.encode(self._frame(samples, "flt")):

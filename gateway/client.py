@@ -65,6 +65,7 @@ from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
 # Wire formats by name (gateway/audio_format.py): "pcm16", "float32", "wav", "mulaw", ...
 FORMATS = {f.name.lower(): int(f) for f in AudioFormat}
 OPUS_FILE_SUFFIXES = (".ogg", ".opus")
+ENCODED_FILES = {".ogg": "opus_ogg", ".opus": "opus_ogg", ".mp3": "mp3"}  # suffix -> format
 
 
 @dataclass
@@ -188,7 +189,11 @@ def decode_audio(msg: gateway_pb2.SynthesizeResponse) -> np.ndarray:
         return np.frombuffer(msg.audio, "<f4").astype(np.float32)
     if fmt in (gateway_pb2.AUDIO_FORMAT_MULAW, gateway_pb2.AUDIO_FORMAT_ALAW):
         return g711_decode(msg.audio, fmt == gateway_pb2.AUDIO_FORMAT_MULAW)
-    if fmt in (gateway_pb2.AUDIO_FORMAT_OPUS_OGG, gateway_pb2.AUDIO_FORMAT_OPUS_PACKETS):
+    if fmt in (
+        gateway_pb2.AUDIO_FORMAT_OPUS_OGG,
+        gateway_pb2.AUDIO_FORMAT_OPUS_PACKETS,
+        gateway_pb2.AUDIO_FORMAT_MP3,
+    ):
         return np.zeros(0, np.float32)
     pcm = msg.audio
     if fmt == gateway_pb2.AUDIO_FORMAT_WAV and msg.seq == 0:
@@ -503,14 +508,14 @@ def run_synthesis(
     sample_rate: int = SAMPLE_RATE,
 ) -> dict:
     """Stream tokens (all at once, or `pace` tokens/s), collect audio; returns the figures.
-    `out` ending in .ogg or .opus asks for Opus in Ogg and writes its bytes as they come;
-    anything else is a WAV file of 16-bit PCM (`audio_format` is then the wire's PCM16 or
+    `out` ending in .ogg or .opus asks for Opus in Ogg, .mp3 for MP3, and writes the bytes as
+    they come; anything else is a WAV file of 16-bit PCM (`audio_format` is then the wire's PCM16 or
     FLOAT32)."""
     planner = ChunkPlanner(voice.num_prompt_tokens, ScheduleConfig())
     first_needed = min(len(tokens), planner.first_hop + LOOKAHEAD_TOKENS)
-    opus_file = out is not None and Path(out).suffix.lower() in OPUS_FILE_SUFFIXES
-    if opus_file:
-        audio_format = "opus_ogg"
+    encoded = ENCODED_FILES.get(Path(out).suffix.lower()) if out is not None else None
+    if encoded:
+        audio_format = encoded
     with Client(target) as client:
         stream = client.stream(
             voice, audio_format=audio_format, timeout=timeout, sample_rate=sample_rate
@@ -568,7 +573,7 @@ def run_synthesis(
             raise feed_error[0]
         wall = time.perf_counter() - t0
     num_samples = sum(c.num_samples for c in chunks)
-    if out and opus_file:
+    if out and encoded:
         Path(out).write_bytes(b"".join(c.audio for c in chunks))
     elif out:
         write_wav(out, np.concatenate([c.samples for c in chunks]), sample_rate)
@@ -612,8 +617,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument(
         "--out",
         required=True,
-        help="output file by its extension: .wav (16-bit PCM mono) or .ogg/.opus (Opus in Ogg, "
-        "streamed from the gateway as it comes)",
+        help="output file by its extension: .wav (16-bit PCM mono), .ogg/.opus (Opus in Ogg) "
+        "or .mp3 (the encoded ones as the gateway streams them)",
     )
     s.add_argument(
         "--sample-rate",
@@ -633,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         "--format",
         choices=("pcm16", "float32"),
         default="pcm16",
-        help="wire audio format for a .wav output (.ogg/.opus: Opus on the wire)",
+        help="wire audio format for a .wav output (.ogg/.opus/.mp3: that codec on the wire)",
     )
     s.add_argument("--timeout", type=float, default=None, help="deadline for the whole stream, s")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -659,8 +664,8 @@ def _run_command(a: argparse.Namespace) -> int:
         print(f"wrote {v} and {t}")
         return 0
     suffix = Path(a.out).suffix.lower()
-    if suffix not in (".wav", *OPUS_FILE_SUFFIXES):
-        raise ValueError(f"--out {a.out}: want a .wav, .ogg or .opus file")
+    if suffix not in (".wav", *ENCODED_FILES):
+        raise ValueError(f"--out {a.out}: want a .wav, .ogg, .opus or .mp3 file")
     if suffix in OPUS_FILE_SUFFIXES and a.sample_rate not in OPUS_RATES:
         raise ValueError(
             f"--sample-rate {a.sample_rate}: Opus ({suffix}) takes "

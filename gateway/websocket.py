@@ -6,7 +6,7 @@ so authentication, limits, admission, deadlines and errors are the gRPC API's ow
 1. The client sends one text message, a JSON object: `voice_id` (a registered voice) or
    `voice` (`prompt_token`: [ids], `prompt_feat`: [[80 floats] x 2 x ids], `embedding`:
    [192 floats]); optional `request_id`, `audio_format` ("pcm16" default, "float32", "wav",
-   "mulaw", "alaw", "opus_ogg", "opus_packets"), `sample_rate` (24000 default), `token` (the
+   "mulaw", "alaw", "opus_ogg", "opus_packets", "mp3"), `sample_rate` (24000 default), `token` (the
    bearer token when the gateway runs --auth-tokens; an `Authorization: Bearer` header on the
    upgrade request works too).
 2. Then tokens: text messages holding a JSON array of ids, or binary messages of

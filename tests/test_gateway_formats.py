@@ -38,6 +38,7 @@ CASES = [  # (format name, rate)
     ("opus_ogg", 48000),
     ("opus_ogg", 16000),
     ("opus_packets", 24000),
+    ("mp3", 22050),
 ]
 # The stack's audio is a random-weight HiFT's noise, on which a perceptual codec's waveform
 # SNR is small (white noise measured 1.8-4.0 dB at 32 kbit/s); above 0 dB it is the signal.
@@ -78,8 +79,8 @@ def decoded(fmt: str, chunks) -> np.ndarray:
     if fmt in ("mulaw", "alaw"):
         codes = np.frombuffer(data, np.uint8)
         return (mulaw_decode(codes) if fmt == "mulaw" else alaw_decode(codes)) / 32768
-    if fmt == "opus_ogg":
-        with av.open(io.BytesIO(data), format="ogg") as c:
+    if fmt in ("opus_ogg", "mp3"):
+        with av.open(io.BytesIO(data), format="ogg" if fmt == "opus_ogg" else "mp3") as c:
             return np.concatenate([f.to_ndarray().reshape(-1) for f in c.decode(audio=0)])
     packets = [p for c in chunks for p in af.split_packets(c.audio)]
     return decode_packets(packets)[0]
@@ -106,6 +107,12 @@ async def test_every_format_and_rate_through_the_stack(models, tmp_path):
         for (fmt, rate), chunks in zip(CASES, results):
             check_counts(chunks, rate)
             got = decoded(fmt, chunks)
+            if fmt == "mp3":
+                want = soxr.resample(ref, SAMPLE_RATE, rate, quality=af.RESAMPLE_QUALITY)
+                got = got[af.MP3_DELAY : af.MP3_DELAY + len(want)]
+                assert len(got) == len(want)
+                assert snr_db(want, got) > OPUS_NOISE_SNR_DB, (fmt, rate, snr_db(want, got))
+                continue
             if fmt.startswith("opus"):
                 want = soxr.resample(ref, SAMPLE_RATE, 48000)  # Opus decodes at 48 kHz
                 if fmt == "opus_packets":  # starts with the encoder's lookahead

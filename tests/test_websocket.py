@@ -105,7 +105,7 @@ async def test_websocket_errors_are_close_codes_naming_the_field(bridged):
     voice, tokens = stream_inputs(4, 20, 30)
     cases = [
         ({"voice": voice_json(voice), "colour": "blue"}, tokens, 4003, "config.colour"),
-        ({"voice": voice_json(voice), "audio_format": "mp3"}, tokens, 4003, "audio_format"),
+        ({"voice": voice_json(voice), "audio_format": "aac"}, tokens, 4003, "audio_format"),
         ({"voice": voice_json(voice), "audio_format": "alaw"}, tokens, 4003, "config.sample_rate"),
         ({"voice_id": "v1-" + "0" * 32}, tokens, 4005, "voice"),
         ({"voice": voice_json(voice)}, [1, 2, 7000], 4003, "tokens"),

@@ -18,6 +18,7 @@ class AudioFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUDIO_FORMAT_OPUS_OGG: _ClassVar[AudioFormat]
     AUDIO_FORMAT_OPUS_PACKETS: _ClassVar[AudioFormat]
     AUDIO_FORMAT_WAV: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_MP3: _ClassVar[AudioFormat]
 
 class ScheduleKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -38,6 +39,7 @@ AUDIO_FORMAT_ALAW: AudioFormat
 AUDIO_FORMAT_OPUS_OGG: AudioFormat
 AUDIO_FORMAT_OPUS_PACKETS: AudioFormat
 AUDIO_FORMAT_WAV: AudioFormat
+AUDIO_FORMAT_MP3: AudioFormat
 SCHEDULE_KIND_UNSPECIFIED: ScheduleKind
 SCHEDULE_KIND_UPSTREAM: ScheduleKind
 SCHEDULE_KIND_BLOCKS: ScheduleKind
