@@ -1,7 +1,9 @@
 """Synthesize over a WebSocket, for browsers and runtimes without gRPC (`--websocket-port`).
 
 Each socket is one Synthesize stream, relayed to this gateway's own gRPC listener on loopback,
-so authentication, limits, admission, deadlines and errors are the gRPC API's own:
+so authentication, limits, admission, deadlines and errors are the gRPC API's own (one caveat:
+without --auth-tokens every socket's peer is the relay, 127.0.0.1, so --max-streams-per-client
+counts all WebSocket clients as one; with tokens each token is its own client):
 
 1. The client sends one text message, a JSON object: `voice_id` (a registered voice) or
    `voice` (`prompt_token`: [ids], `prompt_feat`: [[80 floats] x 2 x ids], `embedding`:
