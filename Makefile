@@ -76,6 +76,7 @@ compose-config: venv
 	$$dc -f docker-compose.yml -f deploy/compose.gpu.yml config -q && \
 	T2W_MODELS=/models $$dc -f docker-compose.yml -f deploy/compose.gpu.yml \
 		-f deploy/compose.weights.yml config -q && \
+	$$dc -f docker-compose.yml -f deploy/compose.prometheus.yml config -q && \
 	echo "compose files valid (Compose $$($$dc version --short))"
 
 # Kubernetes manifests against the bundled schemas, plus the cross-object checks (offline).

@@ -250,6 +250,14 @@ def build_parser() -> EnvParser:
         "their certificates do not carry",
     )
     p.flag(
+        "--websocket-port",
+        type=int,
+        default=None,
+        help="also serve Synthesize over WebSocket on this port (JSON config, tokens, binary "
+        "audio frames; gateway/websocket.py), with a demo page at / ; unset: off. Relayed to "
+        "the gRPC listener, so auth, limits and admission are the same; not with --tls-cert",
+    )
+    p.flag(
         "--health-check-interval",
         type=float,
         default=1.0,
@@ -282,6 +290,7 @@ class GatewayConfig:
     frontend_dir: str | None = None  # None: no voices from audio
     frontend_workers: int = 2
     frontend_max_pending: int = 8
+    websocket_port: int | None = None  # None: no WebSocket endpoint; 0: any free port (tests)
     limits: PipelineLimits = field(default_factory=PipelineLimits)
     inbound: InboundLimits = field(default_factory=InboundLimits)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -291,6 +300,9 @@ class GatewayConfig:
         if args.frontend_dir and (args.frontend_workers < 1 or args.frontend_max_pending < 1):
             raise ValueError("--frontend-workers and --frontend-max-pending must be >= 1")
         server = ServerOptions.from_args(args)
+        if args.websocket_port is not None and server.tls_cert:
+            # The relay dials the gRPC listener in plaintext; terminate TLS in front instead.
+            raise ValueError("--websocket-port: not with --tls-cert (put a TLS proxy in front)")
         if args.auth_tokens:
             server = dataclasses.replace(
                 server, interceptors=(TokenAuth(load_tokens(args.auth_tokens)),)
@@ -321,6 +333,7 @@ class GatewayConfig:
             frontend_dir=args.frontend_dir or None,
             frontend_workers=args.frontend_workers,
             frontend_max_pending=args.frontend_max_pending,
+            websocket_port=args.websocket_port,
             limits=PipelineLimits(
                 args.max_inflight_chunks,
                 args.max_buffered_chunks,

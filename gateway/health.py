@@ -20,6 +20,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.routing import ReplicaSet
+from gateway.websocket import WebSocketBridge
+from token2wav.errors import StartupError
 from token2wav.server import GrpcServer
 
 logger = logging.getLogger(__name__)
@@ -85,10 +87,18 @@ class StageHealth:
 
 
 class GatewayServer(GrpcServer):
-    """GrpcServer whose SERVING also needs a healthy replica of every stage."""
+    """GrpcServer whose SERVING also needs a healthy replica of every stage; with `websocket`,
+    that endpoint too, started and stopped with the gRPC listener it relays to."""
 
-    def __init__(self, *args, health: StageHealth | None = None, **kw):
+    def __init__(
+        self,
+        *args,
+        health: StageHealth | None = None,
+        websocket: WebSocketBridge | None = None,
+        **kw,
+    ):
         super().__init__(*args, **kw)
+        self.websocket = websocket
         self.stage_health = health if health is not None and health.interval > 0 else None
         self._want_serving = False
         self._monitor: asyncio.Task | None = None
@@ -97,6 +107,18 @@ class GatewayServer(GrpcServer):
     async def start(self) -> int:
         self._started_at = time.monotonic()
         port = await super().start()
+        if self.websocket is not None:
+            host = self.options.host
+            # A wildcard listener answers on loopback; a specific address only on itself.
+            dial = "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
+            try:
+                await self.websocket.start(f"{dial}:{port}")
+            except OSError as exc:
+                await self.kill()
+                raise StartupError(
+                    f"--websocket-port {self.websocket.port}: cannot listen on "
+                    f"{self.websocket.host}: {exc.strerror or exc}"
+                ) from None
         if self.stage_health is not None:
             await self.stage_health.check()
             self._monitor = asyncio.get_running_loop().create_task(self._watch())
@@ -130,4 +152,13 @@ class GatewayServer(GrpcServer):
             self._monitor.cancel()
             await asyncio.gather(self._monitor, return_exceptions=True)
             self._monitor = None
+        if self.websocket is not None:
+            self.websocket.stop_accepting()
         await super().drain()
+        if self.websocket is not None:
+            await self.websocket.stop()
+
+    async def kill(self) -> None:
+        if self.websocket is not None:
+            await self.websocket.stop()
+        await super().kill()

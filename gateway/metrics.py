@@ -2,8 +2,6 @@
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from token2wav import SAMPLE_RATE
-
 ACTIVE_STREAMS = Gauge("t2w_gateway_active_streams", "Synthesize streams open now")
 STREAMS = Counter("t2w_gateway_streams_total", "Finished streams by outcome", ["outcome"])
 FIRST_CHUNK = Histogram(
@@ -29,9 +27,9 @@ ADMISSION_FACTOR = Gauge(
 AUDIO_SECONDS = Counter("t2w_gateway_audio_seconds_total", "Audio seconds sent to clients")
 
 
-def count_audio(num_samples: int) -> None:
-    """Audio sent to a client, counted in seconds (its samples are at SAMPLE_RATE)."""
-    AUDIO_SECONDS.inc(num_samples / SAMPLE_RATE)
+def count_audio(num_samples: int, sample_rate: int) -> None:
+    """Audio sent to a client, counted in seconds of its output rate."""
+    AUDIO_SECONDS.inc(num_samples / sample_rate)
 
 
 VOCODER_FAILOVERS = Counter(

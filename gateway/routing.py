@@ -19,6 +19,7 @@ import time
 
 import grpc
 
+from token2wav import tracing
 from token2wav.server import channel_options
 
 logger = logging.getLogger(__name__)
@@ -139,9 +140,16 @@ class ReplicaSet:
         ch = self._channels.get(addr)
         if ch is None:
             if self._credentials is not None:
-                ch = grpc.aio.secure_channel(addr, self._credentials, options=self._options)
+                ch = grpc.aio.secure_channel(
+                    addr,
+                    self._credentials,
+                    options=self._options,
+                    interceptors=tracing.client_interceptors(),
+                )
             else:
-                ch = grpc.aio.insecure_channel(addr, options=self._options)
+                ch = grpc.aio.insecure_channel(
+                    addr, options=self._options, interceptors=tracing.client_interceptors()
+                )
             self._channels[addr] = ch
         return ch
 

@@ -11,6 +11,7 @@ from gateway.health import GatewayServer, StageHealth
 from gateway.routing import ReplicaSet
 from gateway.servicer import GatewayServicer, VoiceRegistry
 from gateway.voices import VoiceMaker
+from gateway.websocket import WebSocketBridge
 from token2wav.frontend.audio import FrontendUnavailable
 from token2wav.security import channel_credentials
 from token2wav.server import GrpcServer
@@ -75,8 +76,14 @@ class GatewayService(Service):
     def make_server(self) -> GrpcServer:
         # no model to warm: SERVING as soon as it listens and its stages answer
         stages = {"flow": self.flows, "vocoder": self.vocoders}
+        websocket = None
+        if self.config.websocket_port is not None:
+            websocket = WebSocketBridge(self.options.host, self.config.websocket_port)
         return GatewayServer(
-            self.options, self, health=StageHealth(stages, self.config.health_check_interval)
+            self.options,
+            self,
+            health=StageHealth(stages, self.config.health_check_interval),
+            websocket=websocket,
         )
 
     async def stop(self) -> None:

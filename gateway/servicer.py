@@ -8,6 +8,7 @@ import uuid
 
 from gateway import metrics
 from gateway.admission import AdmissionConfig, AdmissionController
+from gateway.audio_format import ClientAudio, OutputSpec, check_output
 from gateway.callers import ClientStreams, client_of
 from gateway.downstream import FlowClient
 from gateway.inbound import Inbound, InboundLimits
@@ -15,6 +16,7 @@ from gateway.pipeline import PipelineLimits, StreamPipeline, StreamSetup
 from gateway.routing import ReplicaSet
 from gateway.schedule import ScheduleConfig
 from gateway.voices import VoiceMaker, voice_from_request
+from token2wav import tracing
 from token2wav.errors import (
     InvalidArgument,
     NotFound,
@@ -104,7 +106,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.num_streams = 0
         self.admission = AdmissionController(admission, flow.board)
 
-    def _setup(self, msg, context, client: str) -> StreamSetup:
+    def _setup(self, msg, context, client: str) -> tuple[StreamSetup, OutputSpec]:
         if msg.WhichOneof("message") != "config":
             raise InvalidArgument("config", "the first message must be a StreamConfig")
         cfg = msg.config
@@ -116,15 +118,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             voice = self.voices.get(cfg.voice_id, client)
         else:
             raise InvalidArgument("config.voice", "set inline_voice or voice_id")
-        fmt = cfg.audio_format or gateway_pb2.AUDIO_FORMAT_PCM16
-        if fmt not in (gateway_pb2.AUDIO_FORMAT_PCM16, gateway_pb2.AUDIO_FORMAT_FLOAT32):
-            raise InvalidArgument("config.audio_format", f"unknown format {fmt}")
+        output = check_output(cfg.audio_format, cfg.sample_rate)  # names the bad field
+        # Other rates and formats are made from the vocoder's float32 by ClientAudio.
+        fmt = output.audio_format if output.is_passthrough else gateway_pb2.AUDIO_FORMAT_FLOAT32
         schedule = ScheduleConfig.from_proto(
             cfg.schedule if cfg.HasField("schedule") else None, self.limits.schedule
         )
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        return StreamSetup(request_id, voice, fmt, schedule, deadline)
+        return StreamSetup(request_id, voice, fmt, schedule, deadline), output
 
     async def Synthesize(self, request_iterator, context):
         inbound = Inbound(request_iterator, self.inbound)
@@ -149,7 +151,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except StopAsyncIteration:
             raise InvalidArgument("config", "empty stream: send a StreamConfig first") from None
         client = client_of(context)
-        setup = self._setup(first, context, client)
+        setup, output = self._setup(first, context, client)
         request_id_var.set(setup.request_id)
         if self.num_streams >= self.max_streams:
             raise ResourceExhausted(f"gateway at its limit of {self.max_streams} streams")
@@ -165,19 +167,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.num_streams += 1
         metrics.ACTIVE_STREAMS.set(self.num_streams)
         started = time.monotonic()
+        client_audio = None if output.is_passthrough else ClientAudio(output)
         try:
             first_chunk = True
             async for msg in pipeline.run(inbound):
+                if client_audio is not None:
+                    msg = await client_audio.convert(msg)
+                tracing.chunk_span(msg)
                 if first_chunk:
                     metrics.FIRST_CHUNK.observe(msg.timing.gateway_ms / 1e3)
                     first_chunk = False
-                metrics.count_audio(msg.num_samples)
+                metrics.count_audio(msg.num_samples, msg.sample_rate)
                 yield msg
             metrics.STREAMS.labels("ok").inc()
         except BaseException as exc:
             metrics.STREAMS.labels(type(exc).__name__).inc()
             raise
         finally:
+            if client_audio is not None:
+                client_audio.close()
             await self.admission.release(pipeline)
             self.num_streams -= 1
             self.per_client.release(client)

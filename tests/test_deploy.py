@@ -347,11 +347,14 @@ BASE = ["docker-compose.yml"]
 GPU = [*BASE, "deploy/compose.gpu.yml"]
 WEIGHTS = [*BASE, "deploy/compose.weights.yml"]
 ALL = [*GPU, "deploy/compose.weights.yml"]
+PROMETHEUS = [*BASE, "deploy/compose.prometheus.yml"]
 WEIGHTS_ENV = {"T2W_MODELS": "/srv/cosyvoice3"}
 
 
 @pytest.mark.parametrize(
-    "files", [BASE, GPU, WEIGHTS, ALL], ids=["cpu", "nvidia", "weights", "nvidia+weights"]
+    "files",
+    [BASE, GPU, WEIGHTS, ALL, PROMETHEUS],
+    ids=["cpu", "nvidia", "weights", "nvidia+weights", "prometheus"],
 )
 def test_compose_config_is_valid(compose, files):
     out = run_compose(compose, files, "config", "-q", env=WEIGHTS_ENV)
@@ -431,6 +434,31 @@ def test_compose_gpu_and_weights_overrides(compose):
     assert len(images) == 1 and [n for n, s in svcs.items() if "build" in s] == ["flow"]
     args = svcs["flow"]["build"]["args"]
     assert "nvidia/cuda" in args["BASE_IMAGE"] and "/whl/cu" in args["TORCH_INDEX_URL"]
+
+
+def test_compose_prometheus_override(compose):
+    svcs = resolved(compose, PROMETHEUS)["services"]
+    assert set(svcs) == {*SERVICES, "prometheus"}
+    prom = svcs["prometheus"]
+    # It must reach the replicas' metrics ports, which only the internal network has.
+    assert "backend" in prom["networks"]
+    (port,) = prom["ports"]
+    assert port["target"] == 9090 and port["host_ip"] == "127.0.0.1"  # no auth: loopback
+    assert prom.get("read_only") is True
+    config_dir = next(v for v in prom["volumes"] if v["target"] == "/etc/prometheus")
+    assert config_dir["read_only"] is True
+    assert Path(config_dir["source"]) == ROOT / "deploy" / "prometheus"
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    cfg = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    for job in cfg["scrape_configs"]:
+        (sd,) = job["dns_sd_configs"]
+        (name,) = sd["names"]
+        prefix = SERVICES[name][0]
+        assert int(svcs[name]["environment"][f"{prefix}_METRICS_PORT"]) == sd["port"]
+        assert set(svcs[name]["networks"]) & set(prom["networks"]), name
+    # The base stack is unchanged by the override.
+    base = resolved(compose, BASE)["services"]
+    assert all(svcs[n] == base[n] for n in SERVICES)
 
 
 # ---- Dockerfile ---------------------------------------------------------------------------

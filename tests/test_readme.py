@@ -132,3 +132,4 @@ def test_client_section_runs_as_written(models, fresh_copy):
 
     asyncio.run(main())
     assert wav_seconds(fresh_copy / "out.wav") == pytest.approx(10.0)
+    assert (fresh_copy / "out.opus").read_bytes()[:4] == b"OggS"  # the Formats block

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,8 +24,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from token2wav import tracing
 from token2wav.errors import BadMessage, StartupError, status_for
 from token2wav.faults import EXIT_DEVICE_LOST
 from token2wav.security import server_credentials
@@ -43,6 +45,26 @@ RPC_SECONDS = Histogram(
     ["method"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
+
+
+def _cuda_bytes(stat: str) -> float:
+    # Read at scrape time on the metrics thread; never the first CUDA call of the process
+    # (that would create a context on the wrong thread), and no torch import in the gateway.
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return 0.0
+    return float(sum(getattr(torch.cuda, stat)(i) for i in range(torch.cuda.device_count())))
+
+
+GPU_ALLOCATED = Gauge(
+    "t2w_gpu_memory_allocated_bytes", "CUDA memory held by tensors, all devices (0: no CUDA)"
+)
+GPU_ALLOCATED.set_function(lambda: _cuda_bytes("memory_allocated"))
+GPU_RESERVED = Gauge(
+    "t2w_gpu_memory_reserved_bytes",
+    "CUDA memory reserved by the caching allocator, all devices (0: no CUDA)",
+)
+GPU_RESERVED.set_function(lambda: _cuda_bytes("memory_reserved"))
 
 
 @dataclass(frozen=True)
@@ -289,7 +311,8 @@ class GrpcServer:
     async def start(self) -> int:
         opts = self.options
         self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor(), *opts.interceptors],
+            # Tracing outermost: its span then sees the status the error mapping chose.
+            interceptors=[*tracing.server_interceptors(), ErrorInterceptor(), *opts.interceptors],
             # No SO_REUSEPORT: with it a second server binds a taken port silently and the
             # two split the connections; without it a taken port fails here, at start.
             options=[*channel_options(opts.max_message_mb), ("grpc.so_reuseport", 0)],

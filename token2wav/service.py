@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import grpc
 
+from token2wav import tracing
 from token2wav.cli import EnvParser, run_main
 from token2wav.errors import StartupError
 from token2wav.server import GrpcServer, ServerOptions, bind_problem, setup_logging
@@ -130,6 +131,7 @@ def run_service(service_class: type[Service], parser: EnvParser, argv: list[str]
             parser.error(str(exc))
         check_ports(config.server)
         service_class.check(config)
+        tracing.setup(service_class.log_name)  # off unless OTEL_* asks for it
         try:
             service = service_class(config)  # loads the model: outside the event loop
         except UsageError as exc:

@@ -16,7 +16,9 @@
 # the one in /opt/wheels that fits the base image's Python; empty string: none), SMOKE_INDEX_URL
 # (package index for the build; default: pypi.org next to a local torch wheel, which also
 # serves torch's own dependencies, else the Dockerfile's CPU PyTorch index), PYTHON (runs the
-# client; default .venv), SMOKE_KEEP=1 leaves the stack up.
+# client; default .venv), SMOKE_KEEP=1 leaves the stack up, SMOKE_PROMETHEUS=1 adds
+# deploy/compose.prometheus.yml (its image, T2W_PROMETHEUS_IMAGE, must be pullable or present)
+# and checks that Prometheus scrapes every replica of all three services.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -72,7 +74,13 @@ port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); 
 mport="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 export GATEWAY_HOST_IP=127.0.0.1 GATEWAY_HOST_PORT="$port" GATEWAY_METRICS_HOST_PORT="$mport"
 export GATEWAY_RESOLVE_INTERVAL=2
-dc() { "${COMPOSE[@]}" -p "$PROJECT" "$@"; }
+FILES=(-f docker-compose.yml)
+if [[ "${SMOKE_PROMETHEUS:-0}" == 1 ]]; then
+    FILES+=(-f deploy/compose.prometheus.yml)
+    T2W_PROMETHEUS_HOST_PORT="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+    export T2W_PROMETHEUS_HOST_PORT
+fi
+dc() { "${COMPOSE[@]}" -p "$PROJECT" "${FILES[@]}" "$@"; }
 
 work="$(mktemp -d /tmp/t2w-smoke.XXXXXX)"
 cleanup() {
@@ -155,7 +163,7 @@ print(int(sum(float(v) for m, v in re.findall(r"t2w_grpc_calls_total\{([^}]*)\} 
 # ---- the test -----------------------------------------------------------------------------
 log "validating the compose files"
 dc config -q
-dc -f docker-compose.yml -f deploy/compose.gpu.yml config -q
+"${COMPOSE[@]}" -p "$PROJECT" -f docker-compose.yml -f deploy/compose.gpu.yml config -q
 
 log "building $T2W_IMAGE through the compose file (base $BASE_IMAGE)"
 nice -n 10 "${COMPOSE[@]}" -p "$PROJECT" build 2>&1 | grep -E '^ *(#[0-9]+ (DONE|CACHED|ERROR)|ERROR|.*Built)' | tail -n 8
@@ -221,5 +229,25 @@ done
 for c in "${vocoders[@]}"; do
     log "vocoder $(docker inspect -f '{{.Name}}' "$c"): $(vocoder_calls "$c") calls"
 done
+if [[ "${SMOKE_PROMETHEUS:-0}" == 1 ]]; then
+    log "Prometheus: every replica's target up (1 gateway, 2 flow, 2 vocoder)"
+    up_targets() {
+        "$PY" - "http://127.0.0.1:$T2W_PROMETHEUS_HOST_PORT/api/v1/targets?state=active" <<'EOF'
+import collections, json, sys, urllib.request
+targets = json.load(urllib.request.urlopen(sys.argv[1], timeout=5))["data"]["activeTargets"]
+up = collections.Counter(t["labels"]["job"] for t in targets if t["health"] == "up")
+print(" ".join(f"{job}={up[job]}" for job in ("t2w-gateway", "t2w-flow", "t2w-vocoder")))
+EOF
+    }
+    want="t2w-gateway=1 t2w-flow=2 t2w-vocoder=2"
+    got=""
+    for _ in $(seq 30); do # DNS refresh 10 s, scrape 5 s
+        got="$(up_targets 2>/dev/null || true)"
+        [[ "$got" == "$want" ]] && break
+        sleep 2
+    done
+    [[ "$got" == "$want" ]] || fail "Prometheus targets up: '$got', want '$want'"
+    log "Prometheus targets up: $got"
+fi
 log "gateway log excerpt:"
 dc logs --no-color gateway 2>&1 | grep -iE 'resolv|replica|flow|vocoder' | tail -n 5 || true

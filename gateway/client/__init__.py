@@ -11,6 +11,8 @@ Sync:
         audio = client.synthesize(voice, tokens)      # np.float32 at 24 kHz
 CLI:
     python -m gateway.client synthesize --voice v.npz --tokens t.npy --out out.wav
+    python -m gateway.client synthesize --voice v.npz --tokens t.npy --out out.opus \
+        --sample-rate 48000                          # Opus in Ogg; .wav: 16-bit PCM
     python -m gateway.client synthesize --audio prompt.wav --tokens t.npy --out out.wav
     python -m gateway.client make-sample --out-dir out/sample
     python -m gateway.client make-voice --audio prompt.wav --frontend-dir DIR --out voice.npz
@@ -33,6 +35,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from gateway.audio_format import AudioFormat
 from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner, ScheduleConfig
 from token2wav import MAX_FRAMES, SAMPLE_RATE, SAMPLES_PER_TOKEN, TOKEN_MEL_RATIO, VOCAB_SIZE
 from token2wav.errors import DETAILS_KEY, STATUS_KEY, InvalidArgument
@@ -49,17 +52,23 @@ from token2wav.tensors import (
 )
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
 
-FORMATS = {"pcm16": gateway_pb2.AUDIO_FORMAT_PCM16, "float32": gateway_pb2.AUDIO_FORMAT_FLOAT32}
+# Wire formats by name (gateway/audio_format.py): "pcm16", "float32", "wav", "mulaw", ...
+FORMATS = {f.name.lower(): int(f) for f in AudioFormat}
+OPUS_FILE_SUFFIXES = (".ogg", ".opus")
+ENCODED_FILES = {".ogg": "opus_ogg", ".opus": "opus_ogg", ".mp3": "mp3"}  # suffix -> format
 
 
 @dataclass
 class AudioChunk:
     seq: int
-    sample_offset: int
-    samples: np.ndarray  # float32 in [-1, 1)
+    sample_offset: int  # at sample_rate
+    samples: np.ndarray  # float32 in [-1, 1); empty for Opus (decode `audio`)
     is_final: bool
     timing: gateway_pb2.ChunkTiming
     received_at: float  # time.perf_counter() when it arrived
+    num_samples: int = 0  # samples this chunk adds to the stream, at sample_rate
+    sample_rate: int = SAMPLE_RATE
+    audio: bytes = b""  # the wire's bytes in the stream's format (Opus pages or packets)
 
 
 def token_ids(tokens, field: str = "tokens") -> np.ndarray:
@@ -180,14 +189,50 @@ def _registered(resp: gateway_pb2.RegisterVoiceResponse) -> RegisteredVoice:
 
 
 def decode_audio(msg: gateway_pb2.SynthesizeResponse) -> np.ndarray:
-    if msg.audio_format == gateway_pb2.AUDIO_FORMAT_FLOAT32:
+    """The chunk's samples as float32; empty for Opus, whose packets need the stream's decoder."""
+    fmt = msg.audio_format
+    if fmt == gateway_pb2.AUDIO_FORMAT_FLOAT32:
         return np.frombuffer(msg.audio, "<f4").astype(np.float32)
-    return np.frombuffer(msg.audio, "<i2").astype(np.float32) / 32768.0
+    if fmt in (gateway_pb2.AUDIO_FORMAT_MULAW, gateway_pb2.AUDIO_FORMAT_ALAW):
+        return g711_decode(msg.audio, fmt == gateway_pb2.AUDIO_FORMAT_MULAW)
+    if fmt in (
+        gateway_pb2.AUDIO_FORMAT_OPUS_OGG,
+        gateway_pb2.AUDIO_FORMAT_OPUS_PACKETS,
+        gateway_pb2.AUDIO_FORMAT_MP3,
+    ):
+        return np.zeros(0, np.float32)
+    pcm = msg.audio
+    if fmt == gateway_pb2.AUDIO_FORMAT_WAV and msg.seq == 0:
+        pcm = pcm[WAV_HEADER_BYTES:]
+    return np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0
+
+
+WAV_HEADER_BYTES = 44
+
+
+def g711_decode(data: bytes, mulaw: bool) -> np.ndarray:
+    """G.711 bytes -> float32, by FFmpeg's decoder (the gateway encodes with FFmpeg's too)."""
+    if not data:
+        return np.zeros(0, np.float32)
+    import av  # only G.711 and Opus users need FFmpeg on the client side
+
+    dec = av.codec.CodecContext.create("pcm_mulaw" if mulaw else "pcm_alaw", "r")
+    dec.sample_rate, dec.layout = 8000, "mono"
+    frames = dec.decode(av.Packet(data))
+    return np.concatenate([f.to_ndarray().reshape(-1) for f in frames]).astype(np.float32) / 32768
 
 
 def audio_chunk(msg: gateway_pb2.SynthesizeResponse) -> AudioChunk:
     return AudioChunk(
-        msg.seq, msg.sample_offset, decode_audio(msg), msg.is_final, msg.timing, time.perf_counter()
+        msg.seq,
+        msg.sample_offset,
+        decode_audio(msg),
+        msg.is_final,
+        msg.timing,
+        time.perf_counter(),
+        msg.num_samples,
+        msg.sample_rate,
+        msg.audio,
     )
 
 
@@ -196,8 +241,11 @@ def _config(
     audio_format: str,
     request_id: str,
     schedule: gateway_pb2.ChunkSchedule | None,
+    sample_rate: int = 0,
 ) -> gateway_pb2.SynthesizeRequest:
-    cfg = gateway_pb2.StreamConfig(request_id=request_id, audio_format=FORMATS[audio_format])
+    cfg = gateway_pb2.StreamConfig(
+        request_id=request_id, audio_format=FORMATS[audio_format], sample_rate=sample_rate
+    )
     if isinstance(voice, str):
         cfg.voice_id = voice
     else:
@@ -299,9 +347,10 @@ class AsyncStream:
         timeout=None,
         metadata=(),
         max_message_mb=DEFAULT_MAX_MESSAGE_MB,
+        sample_rate=0,
     ):
         self._out = _Outgoing(voice, max_message_mb)
-        config = self._out.config(_config(voice, audio_format, request_id, schedule))
+        config = self._out.config(_config(voice, audio_format, request_id, schedule, sample_rate))
         self._requests: asyncio.Queue = asyncio.Queue()
         self._requests.put_nowait(config)
         self._call = stub.Synthesize(self._iter_requests(), timeout=timeout, metadata=metadata)
@@ -396,9 +445,10 @@ class Stream:
         timeout=None,
         metadata=(),
         max_message_mb=DEFAULT_MAX_MESSAGE_MB,
+        sample_rate=0,
     ):
         self._out = _Outgoing(voice, max_message_mb)
-        config = self._out.config(_config(voice, audio_format, request_id, schedule))
+        config = self._out.config(_config(voice, audio_format, request_id, schedule, sample_rate))
         self._requests: queue.Queue = queue.Queue()
         self._requests.put(config)
         self._call = stub.Synthesize(
@@ -479,12 +529,12 @@ class Client:
 # -- CLI -------------------------------------------------------------------------------------
 
 
-def write_wav(path: str | Path, samples: np.ndarray) -> None:
+def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int = SAMPLE_RATE) -> None:
     pcm = np.clip(np.round(samples * 32767.0), -32768, 32767).astype("<i2")
     with wave.open(str(path), "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
-        w.setframerate(SAMPLE_RATE)
+        w.setframerate(sample_rate)
         w.writeframes(pcm.tobytes())
 
 
@@ -512,12 +562,21 @@ def run_synthesis(
     audio_format: str = "pcm16",
     progress: bool = True,
     timeout: float | None = None,
+    sample_rate: int = SAMPLE_RATE,
 ) -> dict:
-    """Stream tokens (all at once, or `pace` tokens/s), collect audio; returns the figures."""
+    """Stream tokens (all at once, or `pace` tokens/s), collect audio; returns the figures.
+    `out` ending in .ogg or .opus asks for Opus in Ogg, .mp3 for MP3, and writes the bytes as
+    they come; anything else is a WAV file of 16-bit PCM (`audio_format` is then the wire's PCM16 or
+    FLOAT32)."""
     planner = ChunkPlanner(voice.num_prompt_tokens, ScheduleConfig())
     first_needed = min(len(tokens), planner.first_hop + LOOKAHEAD_TOKENS)
+    encoded = ENCODED_FILES.get(Path(out).suffix.lower()) if out is not None else None
+    if encoded:
+        audio_format = encoded
     with Client(target) as client:
-        stream = client.stream(voice, audio_format=audio_format, timeout=timeout)
+        stream = client.stream(
+            voice, audio_format=audio_format, timeout=timeout, sample_rate=sample_rate
+        )
         t0 = time.perf_counter()
         first_tokens_sent = [t0]
         stop = threading.Event()  # set when the main thread is done: the feeder must not linger
@@ -542,15 +601,15 @@ def run_synthesis(
         feeder = threading.Thread(target=feed, daemon=True)
         feeder.start()
         chunks = []
-        expected = SAMPLES_PER_TOKEN * len(tokens)
+        expected = SAMPLES_PER_TOKEN * len(tokens) * sample_rate // SAMPLE_RATE
         try:
             for chunk in stream:
                 chunks.append(chunk)
                 if progress:
-                    got = chunk.sample_offset + chunk.samples.size
-                    bar = "#" * int(30 * got / expected)
+                    got = chunk.sample_offset + chunk.num_samples
+                    bar = "#" * int(30 * got / max(1, expected))
                     print(
-                        f"\r[{bar:<30}] {got / SAMPLE_RATE:6.2f}/{expected / SAMPLE_RATE:.2f} s "
+                        f"\r[{bar:<30}] {got / sample_rate:6.2f}/{expected / sample_rate:.2f} s "
                         f"chunk {chunk.seq}",
                         end="",
                         file=sys.stderr,
@@ -570,10 +629,12 @@ def run_synthesis(
         if feed_error:
             raise feed_error[0]
         wall = time.perf_counter() - t0
-    audio = np.concatenate([c.samples for c in chunks])
-    if out:
-        write_wav(out, audio)
-    seconds = audio.size / SAMPLE_RATE
+    num_samples = sum(c.num_samples for c in chunks)
+    if out and encoded:
+        Path(out).write_bytes(b"".join(c.audio for c in chunks))
+    elif out:
+        write_wav(out, np.concatenate([c.samples for c in chunks]), sample_rate)
+    seconds = num_samples / sample_rate
     return {
         "chunks": len(chunks),
         "audio_seconds": seconds,
@@ -581,5 +642,5 @@ def run_synthesis(
         "first_chunk_ms": (chunks[0].received_at - first_tokens_sent[0]) * 1e3,
         "rtf": wall / seconds,
         "xrt": seconds / wall,
-        "samples": audio.size,
+        "samples": num_samples,
     }

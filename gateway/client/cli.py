@@ -7,16 +7,26 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 import grpc
 
-from gateway.client import FORMATS, load_tokens, load_voice, make_sample, run_synthesis
+from gateway.audio_format import OPUS_RATES, OUTPUT_RATES
+from gateway.client import (
+    ENCODED_FILES,
+    OPUS_FILE_SUFFIXES,
+    load_tokens,
+    load_voice,
+    make_sample,
+    run_synthesis,
+)
 from gateway.client.voices import (
     VOICE_COMMANDS,
     add_voice_commands,
     run_voice_command,
     voice_from_gateway,
 )
+from token2wav import SAMPLE_RATE
 from token2wav.cli import prog, run_main
 
 
@@ -45,14 +55,32 @@ def main(argv: list[str] | None = None) -> int:
         "(it needs --frontend-dir)",
     )
     s.add_argument("--tokens", required=True, help=".npy of speech token ids (int, 0..6560)")
-    s.add_argument("--out", required=True, help="output WAV (24 kHz, 16-bit mono)")
+    s.add_argument(
+        "--out",
+        required=True,
+        help="output file by its extension: .wav (16-bit PCM mono), .ogg/.opus (Opus in Ogg) "
+        "or .mp3 (the encoded ones as the gateway streams them)",
+    )
+    s.add_argument(
+        "--sample-rate",
+        type=int,
+        default=SAMPLE_RATE,
+        choices=OUTPUT_RATES,
+        help=f"output sample rate, Hz (default {SAMPLE_RATE}, the model's; Opus takes "
+        f"{', '.join(map(str, OPUS_RATES))}); the gateway resamples",
+    )
     s.add_argument(
         "--pace",
         type=float,
         default=0.0,
         help="send tokens at this rate per second, like an LLM (0: all at once)",
     )
-    s.add_argument("--format", choices=sorted(FORMATS), default="pcm16", help="wire audio format")
+    s.add_argument(
+        "--format",
+        choices=("pcm16", "float32"),
+        default="pcm16",
+        help="wire audio format for a .wav output (.ogg/.opus/.mp3: that codec on the wire)",
+    )
     s.add_argument("--timeout", type=float, default=None, help="deadline for the whole stream, s")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     m = sub.add_parser(
@@ -92,13 +120,29 @@ def _run_command(a: argparse.Namespace) -> int:
         v, t = make_sample(a.out_dir, a.prompt_tokens, a.num_tokens, a.seed)
         print(f"wrote {v} and {t}")
         return 0
+    suffix = Path(a.out).suffix.lower()
+    if suffix not in (".wav", *ENCODED_FILES):
+        raise ValueError(f"--out {a.out}: want a .wav, .ogg, .opus or .mp3 file")
+    if suffix in OPUS_FILE_SUFFIXES and a.sample_rate not in OPUS_RATES:
+        raise ValueError(
+            f"--sample-rate {a.sample_rate}: Opus ({suffix}) takes "
+            f"{', '.join(map(str, OPUS_RATES))} Hz"
+        )
     tokens = load_tokens(a.tokens)  # the files are checked before anything is sent
     voice = load_voice(a.voice) if a.voice else None
     try:
         if voice is None:
             voice = voice_from_gateway(a.target, a.audio)
         r = run_synthesis(
-            a.target, voice, tokens, a.out, a.pace, a.format, not a.quiet, timeout=a.timeout
+            a.target,
+            voice,
+            tokens,
+            a.out,
+            a.pace,
+            a.format,
+            not a.quiet,
+            timeout=a.timeout,
+            sample_rate=a.sample_rate,
         )
     except grpc.RpcError as exc:
         hint = f" (is a gateway listening at --target {a.target}?)"

@@ -13,6 +13,12 @@ class AudioFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUDIO_FORMAT_UNSPECIFIED: _ClassVar[AudioFormat]
     AUDIO_FORMAT_PCM16: _ClassVar[AudioFormat]
     AUDIO_FORMAT_FLOAT32: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_MULAW: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_ALAW: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_OPUS_OGG: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_OPUS_PACKETS: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_WAV: _ClassVar[AudioFormat]
+    AUDIO_FORMAT_MP3: _ClassVar[AudioFormat]
 
 class ScheduleKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -28,6 +34,12 @@ class FinalAttention(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 AUDIO_FORMAT_UNSPECIFIED: AudioFormat
 AUDIO_FORMAT_PCM16: AudioFormat
 AUDIO_FORMAT_FLOAT32: AudioFormat
+AUDIO_FORMAT_MULAW: AudioFormat
+AUDIO_FORMAT_ALAW: AudioFormat
+AUDIO_FORMAT_OPUS_OGG: AudioFormat
+AUDIO_FORMAT_OPUS_PACKETS: AudioFormat
+AUDIO_FORMAT_WAV: AudioFormat
+AUDIO_FORMAT_MP3: AudioFormat
 SCHEDULE_KIND_UNSPECIFIED: ScheduleKind
 SCHEDULE_KIND_UPSTREAM: ScheduleKind
 SCHEDULE_KIND_BLOCKS: ScheduleKind
@@ -46,18 +58,20 @@ class SynthesizeRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[StreamConfig, _Mapping]] = ..., tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., end: _Optional[_Union[EndOfInput, _Mapping]] = ...) -> None: ...
 
 class StreamConfig(_message.Message):
-    __slots__ = ("request_id", "inline_voice", "voice_id", "audio_format", "schedule")
+    __slots__ = ("request_id", "inline_voice", "voice_id", "audio_format", "schedule", "sample_rate")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INLINE_VOICE_FIELD_NUMBER: _ClassVar[int]
     VOICE_ID_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FORMAT_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inline_voice: _common_pb2.Voice
     voice_id: str
     audio_format: AudioFormat
     schedule: ChunkSchedule
-    def __init__(self, request_id: _Optional[str] = ..., inline_voice: _Optional[_Union[_common_pb2.Voice, _Mapping]] = ..., voice_id: _Optional[str] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., schedule: _Optional[_Union[ChunkSchedule, _Mapping]] = ...) -> None: ...
+    sample_rate: int
+    def __init__(self, request_id: _Optional[str] = ..., inline_voice: _Optional[_Union[_common_pb2.Voice, _Mapping]] = ..., voice_id: _Optional[str] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., schedule: _Optional[_Union[ChunkSchedule, _Mapping]] = ..., sample_rate: _Optional[int] = ...) -> None: ...
 
 class ChunkSchedule(_message.Message):
     __slots__ = ("first_hop_tokens", "max_hop_tokens", "hop_scale", "disable_prompt_pad", "kind", "final_attention")
