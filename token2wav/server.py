@@ -437,7 +437,10 @@ class GrpcServer:
             except TimeoutError:
                 pass
         for handler in logging.getLogger().handlers:  # os._exit flushes nothing
-            handler.flush()
+            try:
+                handler.flush()
+            except (OSError, ValueError):  # a closed stream must not keep a broken replica up
+                pass
         self.exit(status)
 
     async def kill(self) -> None:
