@@ -249,6 +249,7 @@ def smoke_runs(tmp_path_factory):
     return out, runs, problems
 
 
+@pytest.mark.slow
 def test_smoke_runs_every_mode_without_errors(smoke_runs):
     out, runs, problems = smoke_runs
     assert problems == []
@@ -269,6 +270,7 @@ def test_smoke_runs_every_mode_without_errors(smoke_runs):
         assert run["gpu_memory"] is None or run["gpu_memory"]["device_mib"] > 0
 
 
+@pytest.mark.slow
 def test_smoke_audio_matches_tokens_sent(smoke_runs):
     _, runs, _ = smoke_runs
     for run in runs:
@@ -287,6 +289,7 @@ def test_smoke_audio_matches_tokens_sent(smoke_runs):
         assert consistency_problems(run) == []
 
 
+@pytest.mark.slow
 def test_smoke_writes_results_and_ratios(smoke_runs):
     out, runs, _ = smoke_runs
     text = (out / "results.md").read_text()
@@ -300,6 +303,7 @@ def test_smoke_writes_results_and_ratios(smoke_runs):
     assert everything["environment"]["command"].startswith("python -m bench sweep")
 
 
+@pytest.mark.slow
 def test_replicated_stack_spreads_flow_calls_over_every_replica(tmp_path):
     """--flow-replicas/--vocoder-replicas: gateways over several processes of each service
     (the one-GPU stand-in for the multi-GPU scaling run). Every flow replica computes batches
@@ -450,6 +454,7 @@ def test_stack_starts_gateway_groups_with_their_own_flags(tmp_path):
     }
 
 
+@pytest.mark.slow
 async def test_load_spreads_over_gateways_and_merges_client_processes():
     """Two gateways in front of one flow and one vocoder (in process). The same closed-loop
     and open-loop plans run from one process and from two: every stream is there once, goes

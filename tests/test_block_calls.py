@@ -106,9 +106,9 @@ ARRIVALS = {
 
 @pytest.mark.parametrize(
     "num_prompt, arrival",
-    # prompt pads 0, 5, 15, 24 with tokens one by one; bursts and all at once
-    [(75, "one_by_one"), (70, "one_by_one"), (60, "one_by_one"), (51, "one_by_one")]
-    + [(70, "bursts"), (51, "at_once")],
+    # prompt pads 0, 5, 15, 24 in bursts, one by one (pads 0 and 24) and all at once
+    [(75, "one_by_one"), (51, "one_by_one"), (70, "bursts"), (60, "bursts"), (51, "at_once")]
+    + [pytest.param(n, "one_by_one", marks=pytest.mark.slow) for n in (70, 60)],
 )
 def test_block_calls_equal_the_per_chunk_path(model, num_prompt, arrival):
     voice, tokens = make_voice(num_prompt, num_prompt), tokens_for(num_prompt, 190)
@@ -179,7 +179,7 @@ def test_a_stream_moved_to_another_replica(model):
     assert_close(stream.out, per_chunk(model, voice, tokens, ScheduleConfig()))
 
 
-@pytest.mark.parametrize("num_prompt", [75, 62])
+@pytest.mark.parametrize("num_prompt", [75, pytest.param(62, marks=pytest.mark.slow)])
 def test_the_blocks_schedule_is_upstream_with_a_constant_hop_of_25(model, num_prompt):
     cfg = ScheduleConfig.blocks()
     voice, tokens = make_voice(8, num_prompt), tokens_for(8, 180)

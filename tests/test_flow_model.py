@@ -93,6 +93,7 @@ def test_batch_invariance(model):
     assert (batched[0] - batched[4][:, : batched[0].shape[1]]).abs().max() > 0.1
 
 
+@pytest.mark.slow
 def test_batch_invariance_fails_without_padding_masks(model):
     reqs = ragged_requests()
     solos = [model.generate([r])[0] for r in reqs]

@@ -41,6 +41,7 @@ def test_mel_filters_are_librosas():
         np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_prompt_log_mel_matches_librosa():
     x = voiced_signal(1.5, 24000, seed=1)
     ours = features.prompt_log_mel(torch.from_numpy(x)).numpy()

@@ -67,7 +67,11 @@ def check_exactly_once(chunks, n_tokens):
 
 
 # The per-chunk path (the default) and block calls (--block-calls) give the same audio.
-CALLS = pytest.mark.parametrize("flags", [(), ("--block-calls", "true")], ids=["chunks", "blocks"])
+CALLS = pytest.mark.parametrize(
+    "flags",
+    [(), pytest.param(("--block-calls", "true"), marks=pytest.mark.slow)],
+    ids=["chunks", "blocks"],
+)
 
 
 @CALLS

@@ -309,10 +309,10 @@ def test_blocks_spread_over_several_slabs(model, monkeypatch):
     "sliced, slices, layers, slab_blocks",
     [
         (True, True, 3, None),
-        (True, True, 1, 2),
-        (True, False, 2, 3),
+        pytest.param(True, True, 1, 2, marks=pytest.mark.slow),
+        pytest.param(True, False, 2, 3, marks=pytest.mark.slow),
         (False, True, 2, None),
-        (False, False, 1, 2),
+        pytest.param(False, False, 1, 2, marks=pytest.mark.slow),
     ],
 )
 def test_kv_assembly_paths_agree(model, monkeypatch, sliced, slices, layers, slab_blocks):

@@ -82,6 +82,7 @@ def test_shape_buckets():
             ShapeBuckets(**bad)
 
 
+@pytest.mark.slow
 def test_padded_streams_equal_unpadded(small, padded):
     """Upstream's schedule (50, 100, 200, ...) and ragged ones, 5 streams batched together,
     flushed and held back: padding rows and frames changes no sample beyond rounding, and
@@ -107,6 +108,7 @@ def test_padded_streams_equal_unpadded(small, padded):
     assert max_abs(got[0], full) <= 1e-5
 
 
+@pytest.mark.slow
 def test_padding_is_exact_in_float64():
     """In float64 the rounding differences vanish: padding changes nothing a row reads."""
     mels = [make_mel(260 + 30 * i, seed=65 + i) for i in range(3)]
@@ -244,6 +246,7 @@ def test_failed_capture_falls_back_to_eager(small, monkeypatch, caplog):
     assert "capture failed" in caplog.text
 
 
+@pytest.mark.slow
 def test_runner_warmup_captures_every_bucket_shape(fake_graphed, small):
     from vocoder_service.runner import HiFTRunner
 
@@ -336,6 +339,7 @@ def test_cuda_graphs_equal_eager(dtype):
             assert sa.to_bytes() == sb.to_bytes()
 
 
+@pytest.mark.slow
 def test_latency_bench_smoke(tmp_path):
     """bench/vocoder_latency_gpu.py --smoke: every case measured off and on, same audio."""
     root = Path(__file__).resolve().parents[1]

@@ -150,6 +150,7 @@ def test_incremental_is_exact_in_float64(small64):
     assert (y - small64.decode(mel, finalize=True)).abs().max().item() <= TOL_FP64
 
 
+@pytest.mark.slow
 def test_sixty_seconds_upstream_schedule_bounded_state(small):
     frames = 60 * 50 + 37  # just over 60 s
     mel = make_mel(frames, seed=12)
@@ -222,6 +223,7 @@ def test_receptive_field_measured_by_perturbation(small64):
     assert cfg.context_frames() > measured
 
 
+@pytest.mark.slow
 def test_window_size_matters():
     """Margin 0 (window = receptive field) is exact to rounding in fp64; shrinking the window 7
     frames below the field makes the stitched audio measurably wrong, so the incremental tests
