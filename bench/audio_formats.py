@@ -67,6 +67,9 @@ CASES = [
 
 
 def speechlike(n: int, seed: int = 0) -> np.ndarray:
+    """A voiced-speech stand-in at 24 kHz: 11 harmonics of a gliding 110-170 Hz pitch, a
+    syllable-rate envelope, a little noise. Opus is a perceptual codec; on white noise its
+    waveform SNR is a few dB whatever the bitrate, on this it is 20-26 dB."""
     t = np.arange(n) / SAMPLE_RATE
     phase = 2 * np.pi * np.cumsum(140 + 30 * np.sin(2 * np.pi * 0.7 * t)) / SAMPLE_RATE
     voiced = sum((0.5 / k) * np.sin(k * phase) for k in range(1, 12))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import soxr
 
+from bench.audio_formats import speechlike
 from gateway import audio_format as af
 from gateway.audio_format import AudioFormat, OutputSpec, StreamEncoder, check_output
 from token2wav import SAMPLE_RATE
@@ -22,18 +23,6 @@ from token2wav.errors import InvalidArgument
 from token2wav.v1 import gateway_pb2
 
 F = AudioFormat
-
-
-def speechlike(n: int, seed: int = 0) -> np.ndarray:
-    """A voiced-speech stand-in at 24 kHz: 11 harmonics of a gliding 110-170 Hz pitch, a
-    syllable-rate envelope, a little noise. Opus is a perceptual codec; on white noise its
-    waveform SNR is a few dB whatever the bitrate, on this it is 20-26 dB."""
-    t = np.arange(n) / SAMPLE_RATE
-    phase = 2 * np.pi * np.cumsum(140 + 30 * np.sin(2 * np.pi * 0.7 * t)) / SAMPLE_RATE
-    voiced = sum((0.5 / k) * np.sin(k * phase) for k in range(1, 12))
-    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 2.5 * t)
-    noise = 0.003 * np.random.default_rng(seed).standard_normal(n)
-    return (0.3 * voiced * envelope + noise).astype(np.float32)
 
 
 def encode_in_pieces(spec: OutputSpec, x: np.ndarray, cuts) -> tuple[list[bytes], list[int]]:
