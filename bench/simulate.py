@@ -74,6 +74,7 @@ from gateway.pipeline import StreamPipeline
 from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner, ScheduleConfig
 from token2wav import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKEN_MEL_RATIO
 from token2wav.errors import ResourceExhausted
+from vocoder_service.batch_policy import batch_order, fits
 from vocoder_service.model.config import HIFT_PRESETS
 from vocoder_service.model.graphs import ShapeBuckets
 
@@ -608,26 +609,21 @@ class Simulation:
         self._voc_kick()
 
     def _voc_take(self, now: float) -> list:
-        """vocoder_service.manager.SessionManager.take_ready: one chunk per session (its
-        earliest), earliest due first, FIFO among equals; while any chunk's slack is below the
-        urgent slack, only such chunks, within the urgent frame limit."""
+        """The vocoder's batch: one chunk per session (its earliest), picked by the service's
+        own rule (vocoder_service/batch_policy.py)."""
         firsts: dict = {}
         for item in self.voc_queue:  # arrival order; a session's chunks arrive in seq order
             firsts.setdefault(item[1].sid, item)
-        order = sorted(firsts.values(), key=lambda x: x[0])
+        ready = list(firsts.values())
         c = self.c
-        urgent_before = now + c.vocoder_urgent_slack_s if c.vocoder_urgent_slack_s > 0 else -1e18
-        urgent = [x for x in order if x[0] < urgent_before]
-        if urgent:
-            order = urgent
+        picks, urgent = batch_order([x[0] for x in ready], now, c.vocoder_urgent_slack_s)
         batch, longest = [], 0
-        for item in order:
+        for item in (ready[i] for i in picks):
             if len(batch) >= c.vocoder_max_rows:
                 break
             frames = TOKEN_MEL_RATIO * item[2].num_emit_tokens
-            if urgent and c.vocoder_urgent_max_frames and batch:
-                if (len(batch) + 1) * max(longest, frames) > c.vocoder_urgent_max_frames:
-                    break
+            if not fits(len(batch), longest, frames, urgent, c.vocoder_urgent_max_frames):
+                break
             batch.append(item)
             longest = max(longest, frames)
         taken = set(map(id, batch))

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -45,6 +44,7 @@ from token2wav.errors import (
     check_request_id,
 )
 from vocoder_service import metrics
+from vocoder_service.batch_policy import batch_order, fits
 from vocoder_service.chunks import AudioChunk, MelChunk
 from vocoder_service.config import SessionConfig
 from vocoder_service.export import RetryEntry, SessionSnapshot
@@ -230,21 +230,15 @@ class SessionManager:
         always goes); the others wait for the next call, by when they may be urgent too."""
         taken: list[MelChunk] = []
         now = self.clock()
-        order = list(self._ready.values())
-        if any(s.pending[s.next_seq].due < math.inf for s in order):
-            order.sort(key=lambda s: s.pending[s.next_seq].due)  # stable: FIFO among equals
-        urgent_before = now + urgent_slack_s if urgent_slack_s > 0 else -math.inf
-        urgent = [s for s in order if s.pending[s.next_seq].due < urgent_before]  # a prefix
-        if urgent:
-            order = urgent
+        ready = list(self._ready.values())
+        picks, urgent = batch_order([s.pending[s.next_seq].due for s in ready], now, urgent_slack_s)
         longest = 0
-        for s in order:
+        for s in (ready[i] for i in picks):
             if len(taken) >= max_num:
                 break
             frames = s.pending[s.next_seq].num_frames
-            if urgent and urgent_max_frames and taken:
-                if (len(taken) + 1) * max(longest, frames) > urgent_max_frames:
-                    break
+            if not fits(len(taken), longest, frames, urgent, urgent_max_frames):
+                break
             del self._ready[s.request_id]
             chunk = s.pending.pop(s.next_seq)
             s.pending_bytes -= chunk.nbytes
