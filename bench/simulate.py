@@ -43,7 +43,7 @@ modelled:
                     frames, fitted to H200 graph replays (one first chunk ~5 ms, 24 first
                     chunks ~23 ms, 24 x 100-frame chunks ~56 ms); more than 32 rows run eagerly
 
-`python -m bench.simulate` prints the closed-loop and Poisson figures for the current policy
+`python -m bench simulate` prints the closed-loop and Poisson figures for the current policy
 (flags pick variants: the services' knobs); `--knobs` prints the table of simulated knob
 settings in docs/bench/2026-12-03-capacity-runs.md. tests/test_simulate.py keeps it honest. Numbers from it are a
 model, not measurements: use it to compare policies, then verify on the GPU. The flow and the
@@ -1099,10 +1099,6 @@ def main(argv=None) -> None:
         for rate in (float(r) for r in a.rates.split(",")):
             f = poisson(cfg, rate, a.duration, pace, a.seed)
             print(f"pace {pace:g} rate {rate:g}", json.dumps(f))
-
-
-if __name__ == "__main__":
-    main()
 
 
 __all__ = [
