@@ -65,7 +65,7 @@ import numpy as np
 from bench.metrics import StreamRecord, summarize
 from bench.workload import chunk_needs, poisson_arrivals
 from flow_service.costmodel import CostModel
-from flow_service.model.config import BLOCK_FRAMES
+from flow_service.model.config import BLOCK_FRAMES, NUM_STEPS
 from flow_service.runner import graph_fits, graph_rows
 from flow_service.scheduler import BatchPolicy, PendingCall, Plan, Scheduler
 from gateway.admission import AdmissionConfig, AdmissionController, CapacityBoard, edf_lateness
@@ -77,7 +77,6 @@ from token2wav.errors import ResourceExhausted
 from vocoder_service.model.config import HIFT_PRESETS
 from vocoder_service.model.graphs import ShapeBuckets
 
-NUM_STEPS = 10
 GRAPH_FRAME_MULTIPLE = 100  # flow_service.engine: graphed batches' frames rounded up to this
 GRAPH_MAX_FRAMES = 800  # the flow's warm-up captures graphs up to this many frames
 
