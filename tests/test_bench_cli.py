@@ -37,3 +37,24 @@ def test_tool_subcommand_help(name, capsys):
 def test_tool_subcommand_names_a_bad_flag(capsys):
     assert main(["flow-model", "--bogus"]) == 2
     assert "--bogus" in capsys.readouterr().err
+
+
+def test_docs_name_only_commands_that_exist():
+    """Every `python -m bench NAME` in the docs, scripts and bench/ names a subcommand, and none
+    runs a bench file directly (those have no entry point of their own)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [*root.glob("*.md"), *root.glob("docs/**/*.md"), *root.glob("bench/*.py")]
+    files += [*root.glob("bench/*.sh"), root / "Makefile"]
+    known = {*OWN, *TOOLS}
+    seen = set()
+    for path in files:
+        text = path.read_text()
+        old = re.findall(r"python3? (?:bench/\w+\.py|-m bench\.\w+)", text)
+        assert not old, f"{path.relative_to(root)}: {old}"
+        for name in re.findall(r"python3? -m bench ([a-z][a-z-]*)", text):
+            assert name in known, f"{path.relative_to(root)}: python -m bench {name}"
+            seen.add(name)
+    assert {"sweep", "capacity", "flow-model", "simulate"} <= seen  # the scan found the docs
