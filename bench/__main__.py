@@ -8,6 +8,7 @@
   python -m bench report DIR [DIR ...] --out-dir DIR            # one table + plots from sweeps
   python -m bench capacity --device cuda --dtype bfloat16 --preset cosyvoice3-0.5b \
       --paces 0,50 --closed-concurrency 64 --out-dir DIR        # real-time capacity (bench/capacity.py)
+  python -m bench flow-model --batches 1,4 ...                  # one part alone: see the list below
 
 Without --target it starts its own stacks (flow, vocoder, gateway as subprocesses; one per
 batching mode, side by side) and stops them at the end. --gateways N starts N gateways per
@@ -20,6 +21,7 @@ end when matplotlib is installed. docs/BENCHMARKS.md explains every figure.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import signal
 import sys
@@ -148,6 +150,47 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
 
 
+# Subcommands that are parts with flags of their own: `python -m bench NAME ARGS` calls the
+# module's main(ARGS), so `python -m bench NAME --help` shows that part's flags.
+TOOLS: dict[str, tuple[str, str]] = {
+    "flow-model": ("bench.flow_model_gpu", "Stage-1 flow model alone: exactness and batch timing"),
+    "flow-service": ("bench.flow_service_bench", "flow_service alone over gRPC, batching on/off"),
+    "prefix-cache": ("bench.prefix_cache_bench", "flow prefix cache on/off: work and throughput"),
+    "profile-prefix": (
+        "bench.profile_prefix",
+        "flow calls of one utterance: eager, eager + cache, CUDA graphs",
+    ),
+    "profile-batch": ("bench.profile_batch", "torch profiler trace of one flow batch"),
+    "kernels": ("bench.kernels_bench", "DiT kernel variants: time, MFU, exactness"),
+    "hift-model": ("bench.hift_model_gpu", "Stage-2 HiFT model alone: exactness and timing"),
+    "vocoder-latency": ("bench.vocoder_latency_gpu", "vocoder batch latency, graphs off/on"),
+    "vocoder-service": ("bench.vocoder_service_bench", "vocoder_service alone over gRPC"),
+    "upstream-compare": ("bench.upstream_compare", "SNR against upstream CosyVoice3's code"),
+    "audio-formats": ("bench.audio_formats", "what each output format costs per stream"),
+    "gateway-overhead": ("bench.gateway_overhead", "what the gateway adds when models are free"),
+    "simulate": ("bench.simulate", "discrete-event simulation of the scheduling, no GPU"),
+    "soak": ("bench.soak", "bounded fault-injecting soak of the whole stack"),
+}
+
+
+def run_tool(name: str, argv: list[str]) -> int:
+    """The exit status of `python -m bench NAME ARGV`: main's int, else 0; argparse's on --help
+    or a bad flag."""
+    module = importlib.import_module(TOOLS[name][0])
+    saved = sys.argv
+    sys.argv = [f"python -m bench {name}", *argv]  # argparse names the program from argv[0]
+    try:
+        code = module.main(argv)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    finally:
+        sys.argv = saved
+    return code if isinstance(code, int) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench",
@@ -234,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--drain-timeout", type=float, default=60.0, help="s after the last arrival")
     ca.add_argument("--threads", type=int, default=0, help="OMP threads per service; 0: inherit")
 
+    for name, (_, text) in TOOLS.items():
+        sub.add_parser(name, help=f"{text} (flags: python -m bench {name} --help)", add_help=False)
     r = sub.add_parser("report", help="results.md and plots from the run JSONs of sweeps")
     r.add_argument("dirs", nargs="+", help="sweep output directories")
     r.add_argument("--out-dir", required=True)
@@ -367,6 +412,9 @@ def _skipped(out_dir: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in TOOLS:
+        return run_tool(args[0], args[1:])
     a = build_parser().parse_args(argv)
     # SIGTERM (a job's time limit, `timeout`) unwinds like Ctrl-C, so the stacks we started are
     # stopped by the `finally` blocks instead of being left running, holding ports and GPU.

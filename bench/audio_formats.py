@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """What the gateway's output formats cost, per stream: CPU per second of audio, the time each
 chunk spends in the encoder, the audio it holds back, and the bytes it sends.
 
-    PYTHONPATH=. python3 bench/audio_formats.py                 # every format and rate, 10 s
-    PYTHONPATH=. python3 bench/audio_formats.py --seconds 30 --repeats 5 --markdown
+    python -m bench audio-formats                 # every format and rate, 10 s
+    python -m bench audio-formats --seconds 30 --repeats 5 --markdown
 
 One stream at a time through gateway/audio_format.py's StreamEncoder, in the chunks the
 gateway's default schedule cuts a 10 s utterance into (hops of 25, 50, 100, 100... tokens of
@@ -178,7 +177,3 @@ def main(argv=None) -> None:
             f"| {best['chunk_ms_max']:.2f} | {best['held_ms']:.1f} | {best['kbps']:.1f} |"
         )
         print(row if args.markdown else row.replace("|", " "))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """GPU check and benchmark of the Stage-1 flow model (issue 3), full-size preset, random weights.
 
-    PYTHONPATH=. python3 bench/flow_model_gpu.py            # from the repo root, one CUDA GPU
-    PYTHONPATH=. python3 bench/flow_model_gpu.py --batches 1,4 --repeats 3   # quicker
-    PYTHONPATH=. python3 bench/flow_model_gpu.py --device cpu --preset small --batches 1,2  # smoke
+    python -m bench flow-model            # from the repo root, one CUDA GPU
+    python -m bench flow-model --batches 1,4 --repeats 3   # quicker
+    python -m bench flow-model --device cpu --preset small --batches 1,2  # smoke
 
 Sections (each prints as it goes; the JSON is rewritten after each, so a timeout keeps partial
 results in $OUT/flow_model_gpu.json):
@@ -24,12 +23,12 @@ import copy
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from bench.args import add_model_args
 from flow_service.model import (
     FlowModel,
     FlowRequest,
@@ -370,8 +369,9 @@ def print_table(step: dict, gen: dict | None) -> None:
         log(f"bf16 vs fp32 mean relative error: {inv['bf16']['vs_fp32_mean_rel_err']:.2e}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(parser, dtype=None)  # times both dtypes
     parser.add_argument("--batches", default="1,4,16,32,64")
     parser.add_argument("--frames", type=int, default=350)
     parser.add_argument("--repeats", type=int, default=7)
@@ -379,9 +379,7 @@ def main() -> int:
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--skip", default="", help="comma list of: invariance,chunking,generate")
     parser.add_argument("--tf32", action="store_true", help="time fp32 with TF32 on (default off)")
-    parser.add_argument("--preset", default="cosyvoice3-0.5b")
-    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         log("needs a CUDA device (or --device cpu --preset small for a smoke run)")
         return 2
@@ -425,7 +423,3 @@ def main() -> int:
         f"\ntotal {RESULTS['env']['total_s']:.0f} s; tf32 was set explicitly per section (see JSON)"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,11 +1,10 @@
-#!/usr/bin/env python3
 """flow_service alone under load: N concurrent streams calling `Generate` over gRPC (in-process
 server on loopback), each replaying the gateway's chunk schedule for a 3 s prompt and a 10 s
 utterance (75 + 250 tokens: chunks of 200, 300, 500 and 650 DiT frames), batching on and then
 off (`--max-batch-size 1`, the same code path) in the same run.
 
-    PYTHONPATH=. python3 bench/flow_service_bench.py --device cuda --dtype bfloat16
-    PYTHONPATH=. python3 bench/flow_service_bench.py --smoke      # small preset, CPU, seconds
+    python -m bench flow-service --device cuda --dtype bfloat16
+    python -m bench flow-service --smoke      # small preset, CPU, seconds
 
 Like the gateway with all tokens in hand, each stream keeps up to --max-inflight of its chunk
 calls in flight, and starts its next utterance when the last call of the previous one is back
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.args import add_model_args
 from bench.workload import TOKEN_RATE, make_bench_voice, make_tokens
 from flow_service.config import FlowConfig
 from flow_service.config import build_parser as flow_parser
@@ -201,9 +201,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--preset", default="cosyvoice3-0.5b")
+    add_model_args(p)
     p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated stream counts")
     p.add_argument("--utterances", type=int, default=2, help="per stream and level")
     p.add_argument("--prompt-tokens", type=int, default=75)
@@ -240,8 +238,7 @@ def main(argv=None) -> dict:
     model = load_flow(None, device=a.device, dtype=dtype, preset=a.preset)
     result = dict(
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        command="python bench/flow_service_bench.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        command="python -m bench flow-service " + " ".join(sys.argv[1:] if argv is None else argv),
         device=torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.machine(),
         torch=torch.__version__,
         config={k: v for k, v in vars(a).items() if k != "out"},
@@ -264,7 +261,3 @@ def main(argv=None) -> dict:
         asyncio.run(run_mode(model, a, label == "on", save))
     print("on/off frame-steps ratio by streams:", result["on_off_ratio"], flush=True)
     return result
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """What the gateway (and the client) add to a chunk when the models cost nothing.
 
-    PYTHONPATH=. python3 bench/gateway_overhead.py --streams 64            # CPU is enough
-    PYTHONPATH=. python3 bench/gateway_overhead.py --streams 64 --profile out/gw.prof
-    PYTHONPATH=. python3 bench/gateway_overhead.py --streams 64 --gateways 4  # streams round robin
+    python -m bench gateway-overhead --streams 64            # CPU is enough
+    python -m bench gateway-overhead --streams 64 --profile out/gw.prof
+    python -m bench gateway-overhead --streams 64 --gateways 4  # streams round robin
 
 A real gateway process (`python -m gateway`, optionally under cProfile) in front of two
 stand-ins in this process that answer at once: a flow service whose mel is zeros of the right
@@ -180,7 +179,3 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if a.gateways < 1:
         p.error(f"--gateways: {a.gateways}, want >= 1")
     return asyncio.run(main_async(a))
-
-
-if __name__ == "__main__":
-    main()

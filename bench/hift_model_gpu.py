@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """GPU check and benchmark of the Stage-2 causal HiFT model (issue 4).
 
 Run from the repo root on a CUDA machine (torch + numpy only):
 
-    PYTHONPATH=. python3 bench/hift_model_gpu.py            # ~1-2 min on an H100/H200
+    python -m bench hift-model            # ~1-2 min on an H100/H200
 
 Full-size preset (cosyvoice3-0.5b, 20.8M parameters) with seeded random weights (weight-norm
 g != ||v||, random Snake alphas), fp32 with TF32 off everywhere. It measures:
@@ -26,6 +25,7 @@ logic check for machines without a GPU; its numbers mean nothing).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import random
@@ -48,14 +48,30 @@ from vocoder_service.model import (
 
 FRAMES_PER_S = SAMPLE_RATE // SAMPLES_PER_FRAME  # 50
 CHUNK = 100  # frames per timed chunk (2 s of audio)
-SMOKE = "--smoke" in sys.argv[1:]
-PRESET = "small" if SMOKE else "cosyvoice3-0.5b"
-DEVICE = torch.device("cpu" if SMOKE else "cuda")
-HISTORIES_S = (1, 3) if SMOKE else (1, 10, 60)
-BATCH_SIZES = (1, 3) if SMOKE else (1, 8, 32)
-LONG_S = 6 if SMOKE else 60  # the exactness and phase-mode length
-REPEATS = 1 if SMOKE else 15
-WARMUP = 0 if SMOKE else 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--smoke", action="store_true", help="CPU, small preset: a logic check, not a measurement"
+    )
+    return p
+
+
+def _configure(smoke: bool) -> None:
+    """The run's sizes, module-wide: the full run's at import, --smoke's when main asks."""
+    global SMOKE, PRESET, DEVICE, HISTORIES_S, BATCH_SIZES, LONG_S, REPEATS, WARMUP
+    SMOKE = smoke
+    PRESET = "small" if smoke else "cosyvoice3-0.5b"
+    DEVICE = torch.device("cpu" if smoke else "cuda")
+    HISTORIES_S = (1, 3) if smoke else (1, 10, 60)
+    BATCH_SIZES = (1, 3) if smoke else (1, 8, 32)
+    LONG_S = 6 if smoke else 60  # the exactness and phase-mode length
+    REPEATS = 1 if smoke else 15
+    WARMUP = 0 if smoke else 3
+
+
+_configure(False)
 
 
 def sync() -> None:
@@ -228,7 +244,8 @@ def phase_modes(model, res: dict) -> None:
         res[f"phase_exact_vs_upstream_{secs}s_snr_db"] = snr_db(b, a)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    _configure(_parser().parse_args(argv).smoke)
     if not SMOKE and not torch.cuda.is_available():
         print("needs a CUDA device (or --smoke for a CPU logic check)", file=sys.stderr)
         return 2
@@ -289,7 +306,3 @@ def report(r: dict) -> None:
         )
     print(f"\nbf16 vs fp32 max abs {r['bf16_vs_fp32_max_abs']:.2e}")
     print(f"peak GPU memory {r['peak_gpu_mem_gib']:.2f} GiB, total {r['total_s']:.0f} s")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 r"""DiT kernel variants (issue 17 item 2): time, throughput, MFU and exactness of a full solve.
 
-    PYTHONPATH=. python3 bench/kernels_bench.py --device cuda --graphs --budget-s 500 \
+    python -m bench kernels --device cuda --graphs --budget-s 500 \
         --out $OUT/kernels.json        # one H200: bf16 first, then what fits of fp32
-    PYTHONPATH=. python3 bench/kernels_bench.py --device cpu --preset small --rows 2 \
+    python -m bench kernels --device cpu --preset small --rows 2 \
         --frames 206 --repeats 1 --budget-s 60   # CPU smoke (nothing compiles on the CPU)
 
 Variants (`DiTKernels`, the flow service's --fused-norms): baseline (SDPA with the dense additive
@@ -45,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from bench.args import add_model_args
 from bench.flow_model_gpu import make_voice
 from flow_service.model import (
     DiTKernels,
@@ -224,10 +224,9 @@ class Bench:
         self.save()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--preset", default="cosyvoice3-0.5b")
+    add_model_args(p, dtype=None)  # --dtypes picks several
     p.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp32, in order")
     p.add_argument("--rows", default="64,32,8,1", help="requests per batch, in order of priority")
     p.add_argument("--frames", default="656,506,206", help="DiT lengths T, in order of priority")
@@ -254,7 +253,7 @@ def main() -> None:
     )
     p.add_argument("--budget-s", type=float, default=240.0, help="stop starting work after this")
     p.add_argument("--out", default="", help="JSON results path (rewritten after each case)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:
         p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
@@ -286,7 +285,3 @@ def main() -> None:
         f"done in {res['elapsed_s']} s: {len(res['cases'])} cases, "
         f"{len(res['skipped'])} variant runs skipped for the budget, {len(res['errors'])} errors"
     )
-
-
-if __name__ == "__main__":
-    main()

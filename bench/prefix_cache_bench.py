@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """The flow prefix cache (issue 17) on one GPU: work per utterance, then Generate-only
 throughput, each with the cache on and off.
 
-    PYTHONPATH=. python3 bench/prefix_cache_bench.py            # H200: full size, bf16, ~6 min
-    PYTHONPATH=. python3 bench/prefix_cache_bench.py --smoke    # CPU, small preset, fp32
+    python -m bench prefix-cache            # H200: full size, bf16, ~6 min
+    python -m bench prefix-cache --smoke    # CPU, small preset, fp32
 
 Part 1, per utterance (3 s prompt; 10 s and 30 s of speech, the gateway's schedule; each call
 run alone and eagerly, in order): DiT frame-steps computed (frames through the blocks x solver
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch
 
 from bench import flow_service_bench as fsb
+from bench.args import add_model_args
 from bench.workload import make_bench_voice, make_tokens
 from flow_service.model import NUM_STEPS, FlowRequest, PrefixCache, Voice, load_flow
 
@@ -130,9 +130,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--preset", default="cosyvoice3-0.5b")
+    add_model_args(p)
     p.add_argument("--seconds", default="10,30", help="utterance lengths (s), comma-separated")
     p.add_argument("--prompt-tokens", type=int, default=75)
     p.add_argument("--streams", type=int, default=64, help="Generate-only concurrency")
@@ -175,8 +173,7 @@ def main(argv=None) -> dict:
     model = load_flow(None, device=a.device, dtype=dtype, preset=a.preset)
     result = dict(
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        command="python bench/prefix_cache_bench.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        command="python -m bench prefix-cache " + " ".join(sys.argv[1:] if argv is None else argv),
         device=torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.machine(),
         torch=torch.__version__,
         config={k: v for k, v in vars(a).items() if k != "out"},
@@ -236,7 +233,3 @@ def main(argv=None) -> dict:
                 took[seconds] = time.perf_counter() - t0
     write()
     return result
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Torch profiler trace of one flow batch: where the Stage-1 time goes, kernel by kernel.
 
-    PYTHONPATH=. python3 bench/profile_batch.py --dtype bfloat16 --batch 64   # one CUDA GPU
-    PYTHONPATH=. python3 bench/profile_batch.py --device cpu --preset small --batch 2  # smoke
+    python -m bench profile-batch --dtype bfloat16 --batch 64   # one CUDA GPU
+    python -m bench profile-batch --device cpu --preset small --batch 2  # smoke
 
 The batch is B requests of the benchmark workload's longest call (3 s prompt + 10 s utterance,
 the final full-attention chunk: 656 frames), run through the flow engine exactly as the service
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.args import add_model_args
 from flow_service.engine import FlowEngine
 from flow_service.model import load_flow
 from flow_service.scheduler import BatchPolicy
@@ -31,16 +31,14 @@ from flow_service.warmup import warmup_batch, warmup_requests
 from token2wav.dtypes import DTYPES
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--preset", default="cosyvoice3-0.5b")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=64, help="requests in the batch")
     p.add_argument("--frames", type=int, default=656, help="DiT sequence length per request")
     p.add_argument("--rows", type=int, default=25, help="operator rows to print")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or "out/profile")
-    a = p.parse_args()
+    a = p.parse_args(argv)
 
     model = load_flow(None, device=a.device, dtype=DTYPES[a.dtype], preset=a.preset)
     engine = FlowEngine(model, BatchPolicy())
@@ -72,7 +70,3 @@ def main() -> None:
 
 async def _warm(engine: FlowEngine) -> None:
     await engine.warmup(warmup_requests())
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Time the flow's calls of a 10 s utterance three ways, batch by batch: eagerly without and
 with the prefix cache, and through the runner's CUDA graphs (which pad and skip the cache).
 
-    PYTHONPATH=. python3 bench/profile_prefix.py --dtype bfloat16 --batch 8,32,64   # one CUDA GPU
-    PYTHONPATH=. python3 bench/profile_prefix.py --device cpu --preset small --batch 2 --dtype float32
+    python -m bench profile-prefix --dtype bfloat16 --batch 8,32,64   # one CUDA GPU
+    python -m bench profile-prefix --device cpu --preset small --batch 2 --dtype float32
 
 B streams (each its own voice, 3 s prompt) run the gateway's four calls of a 10 s utterance
 (200, 300 and 500 DiT frames, their 3 lookahead tokens context only, then the final 650) as four
@@ -24,6 +23,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.args import add_model_args
 from bench.flow_model_gpu import make_voice
 from flow_service.model import DiTKernels, FlowRequest, PrefixCache, load_flow
 from flow_service.runner import FlowRunner
@@ -89,11 +89,9 @@ def run(model, streams, cache_mb: int, device: str, prof_call: int = -1, runner=
     return times, table
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--preset", default="cosyvoice3-0.5b")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    add_model_args(p)
     p.add_argument("--batch", default="8,32,64", help="rows per batch, comma-separated")
     p.add_argument("--cache-mb", type=int, default=40000, help="prefix cache budget")
     p.add_argument("--profile", action="store_true", help="operator table of cached call 1")
@@ -103,7 +101,7 @@ def main() -> None:
         default=True,
         help="the service's default kernels (compiled on CUDA only)",
     )
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.device == "cpu":
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     cuda = torch.device(a.device).type == "cuda"
@@ -131,7 +129,3 @@ def main() -> None:
             print(f"B={b:3d} {label:9s} " + " / ".join(f"{x:7.1f}" for x in times), flush=True)
             if table:
                 print(table, flush=True)
-
-
-if __name__ == "__main__":
-    main()

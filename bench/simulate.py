@@ -43,7 +43,7 @@ modelled:
                     frames, fitted to H200 graph replays (one first chunk ~5 ms, 24 first
                     chunks ~23 ms, 24 x 100-frame chunks ~56 ms); more than 32 rows run eagerly
 
-`python -m bench.simulate` prints the closed-loop and Poisson figures for the current policy
+`python -m bench simulate` prints the closed-loop and Poisson figures for the current policy
 (flags pick variants: the services' knobs); `--knobs` prints the table of simulated knob
 settings in docs/bench/2026-12-03-capacity-runs.md. tests/test_simulate.py keeps it honest. Numbers from it are a
 model, not measurements: use it to compare policies, then verify on the GPU. The flow and the
@@ -65,7 +65,7 @@ import numpy as np
 from bench.metrics import StreamRecord, summarize
 from bench.workload import chunk_needs, poisson_arrivals
 from flow_service.costmodel import CostModel
-from flow_service.model.config import BLOCK_FRAMES
+from flow_service.model.config import BLOCK_FRAMES, NUM_STEPS
 from flow_service.runner import graph_fits, graph_rows
 from flow_service.scheduler import BatchPolicy, PendingCall, Plan, Scheduler
 from gateway.admission import AdmissionConfig, AdmissionController, CapacityBoard, edf_lateness
@@ -78,7 +78,6 @@ from vocoder_service.batch_policy import batch_order, fits
 from vocoder_service.model.config import HIFT_PRESETS
 from vocoder_service.model.graphs import ShapeBuckets
 
-NUM_STEPS = 10
 GRAPH_FRAME_MULTIPLE = 100  # flow_service.engine: graphed batches' frames rounded up to this
 GRAPH_MAX_FRAMES = 800  # the flow's warm-up captures graphs up to this many frames
 
@@ -1095,10 +1094,6 @@ def main(argv=None) -> None:
         for rate in (float(r) for r in a.rates.split(",")):
             f = poisson(cfg, rate, a.duration, pace, a.seed)
             print(f"pace {pace:g} rate {rate:g}", json.dumps(f))
-
-
-if __name__ == "__main__":
-    main()
 
 
 __all__ = [

@@ -1,6 +1,6 @@
 """A bounded fault-injecting soak of the whole stack on loopback.
 
-    python -m bench.soak --duration 180            # CPU, small preset, 3 minutes
+    python -m bench soak --duration 180            # CPU, small preset, 3 minutes
 
 Starts flow x2, vocoder x2 and a gateway as subprocesses (bench/stack.py), runs client streams
 at 2x the gateway's --max-streams while it injects faults: SIGKILL and SIGTERM of flow and
@@ -21,7 +21,6 @@ import asyncio
 import json
 import random
 import signal
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -325,7 +324,7 @@ async def soak(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m bench.soak",
+        prog="python -m bench soak",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -343,7 +342,3 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     return asyncio.run(soak(build_parser().parse_args(argv)))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,8 +27,8 @@ einx, loguru, frozendict, einops), scipy and numpy importable; torchaudio is stu
     # pure-python deps once (scipy too where it is missing), into a private directory:
     pip download --no-deps -d .whl x-transformers==2.11.24 einx loguru frozendict einops
     pip install --no-index --no-deps --target /tmp/site .whl/*.whl
-    PYTHONPATH=.:/tmp/site python bench/upstream_compare.py --upstream .upstream --device cpu --quick
-    PYTHONPATH=.:/tmp/site python bench/upstream_compare.py --upstream .upstream --device cuda
+    PYTHONPATH=/tmp/site python -m bench upstream-compare --upstream .upstream --device cpu --quick
+    PYTHONPATH=/tmp/site python -m bench upstream-compare --upstream .upstream --device cuda
 
 Runs in about 10 s with --quick on one CPU thread; the full comparison runs upstream's HiFT on
 the CPU at 300 s (the reference of record), a few minutes.
@@ -640,7 +640,3 @@ def main(argv: list[str] | None = None) -> int:
         }
         Path(out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Vocoder batch latency with CUDA graphs off and on (issue 17, item 3).
 
 Run from the repo root on a CUDA machine (torch + numpy only; ~1 min on an H200):
 
-    PYTHONPATH=. python3 bench/vocoder_latency_gpu.py
+    python -m bench vocoder-latency
 
 Full-size HiFT preset (cosyvoice3-0.5b, seeded random weights), timed as the service's runner
 runs a vocoder batch (`decode_batch` in inference mode on its own CUDA stream: host prep, f0
@@ -28,6 +27,7 @@ repeat, with padding but no graphs (a logic check; its numbers mean nothing).
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -40,19 +40,37 @@ from bench.gpu import save_json
 from vocoder_service.model import MEL_BINS, HiFTSessionState, load_hift
 from vocoder_service.model.graphs import GraphedCore, ShapeBuckets
 
-SMOKE = "--smoke" in sys.argv[1:]
-PRESET = "small" if SMOKE else "cosyvoice3-0.5b"
-DEVICE = "cpu" if SMOKE else "cuda"
-MANY = 3 if SMOKE else 24
-REPEATS = 1 if SMOKE else 20
-WARMUP = 0 if SMOKE else 3
 FIRST, LATER = 50, 100  # frames: upstream's first chunk, then 100 (later 200)
-CASES = (  # name, sessions, frames each session has already taken, chunk frames
-    ("first x1", 1, 0, FIRST),
-    ("100f x1", 1, FIRST, LATER),
-    (f"first x{MANY}", MANY, 0, FIRST),
-    (f"100f x{MANY}", MANY, FIRST, LATER),
-)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, small preset, no graphs: a logic check, not a measurement",
+    )
+    return p
+
+
+def _configure(smoke: bool) -> None:
+    """The run's sizes, module-wide: the full run's at import, --smoke's when main asks."""
+    global SMOKE, PRESET, DEVICE, MANY, REPEATS, WARMUP, CASES
+    SMOKE = smoke
+    PRESET = "small" if smoke else "cosyvoice3-0.5b"
+    DEVICE = "cpu" if smoke else "cuda"
+    MANY = 3 if smoke else 24
+    REPEATS = 1 if smoke else 20
+    WARMUP = 0 if smoke else 3
+    CASES = (  # name, sessions, frames each session has already taken, chunk frames
+        ("first x1", 1, 0, FIRST),
+        ("100f x1", 1, FIRST, LATER),
+        (f"first x{MANY}", MANY, 0, FIRST),
+        (f"100f x{MANY}", MANY, FIRST, LATER),
+    )
+
+
+_configure(False)
 
 
 def make_mel(frames: int, seed: int) -> np.ndarray:
@@ -163,7 +181,8 @@ def measure(dtype_name: str, dtype: torch.dtype, res: dict) -> None:
         res[f"{dtype_name} graphs"] = len(modes.graphed)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    _configure(_parser().parse_args(argv).smoke)
     if not SMOKE and not torch.cuda.is_available():
         print("needs a CUDA device (or --smoke for a CPU logic check)", file=sys.stderr)
         return 2
@@ -206,7 +225,3 @@ def report(r: dict) -> None:
         print(f"graphs held: fp32 {r['fp32 graphs']}, bf16 {r['bf16 graphs']}")
         print(f"peak GPU memory {r['peak_gpu_mem_gib']:.2f} GiB")
     print(f"total {r['total_s']:.0f} s")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

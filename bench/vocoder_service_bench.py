@@ -1,12 +1,11 @@
-#!/usr/bin/env python3
 """vocoder_service benchmark: N concurrent sessions over gRPC (in-process server on loopback),
 each replaying the upstream chunk schedule for a 10 s utterance (500 mel frames in chunks of
 50, 100, 200, then the rest with finalize; docs/REFERENCE.md §6.2/§6.4), batching across sessions on and off
 in the same run; plus per-chunk model time against history length, and upstream's algorithm
 (re-decode the whole mel history every chunk, docs/REFERENCE.md §6.3) on the same card as the reference.
 
-    PYTHONPATH=. python3 bench/vocoder_service_bench.py --device cuda --preset cosyvoice3-0.5b
-    PYTHONPATH=. python3 bench/vocoder_service_bench.py --smoke     # tiny CPU config
+    python -m bench vocoder-service --device cuda --preset cosyvoice3-0.5b
+    python -m bench vocoder-service --smoke     # tiny CPU config
 
 Each session is closed-loop: it sends chunk k+1 when chunk k's audio is back, so the figures
 are the service's capacity, not a flow-paced stream. Latency is client-side, send -> audio.
@@ -25,6 +24,7 @@ import grpc
 import numpy as np
 import torch
 
+from bench.args import add_model_args
 from bench.gpu import save_json
 from token2wav import SAMPLES_PER_FRAME
 from token2wav.dtypes import DTYPES
@@ -270,9 +270,7 @@ def history_and_reference(model, args) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--preset", default="cosyvoice3-0.5b")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    add_model_args(p, dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--sessions", default="1,2,4,8,16,32,64", help="comma-separated sweep")
     p.add_argument("--frames", type=int, default=500, help="utterance length (500 = 10 s)")
     p.add_argument("--long-frames", type=int, default=3000, help="history test length (60 s)")
@@ -368,7 +366,3 @@ def main(argv=None) -> int:
     print(f"total {report['total_s']:.1f} s")
     save_json("vocoder_service_bench.json", report, indent=1)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

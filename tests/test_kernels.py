@@ -256,19 +256,17 @@ def test_cuda_bf16_kernels_stay_as_close_to_fp32_as_the_plain_path(monkeypatch):
     check_bf16_against_fp32("cosyvoice3-0.5b", "cuda", ragged_requests())
 
 
-# -- bench/kernels_bench.py -------------------------------------------------------------------
-def test_kernels_bench_cpu_dry_run(tmp_path, monkeypatch):
+# -- python -m bench kernels ------------------------------------------------------------------
+def test_kernels_bench_cpu_dry_run(tmp_path):
     """The GPU bench's CPU dry run: every variant runs, agrees with the baseline, and its
     figures are consistent (no timing is asserted)."""
-    import sys
-
     from bench import kernels_bench
+    from bench.__main__ import main as bench
 
     out = tmp_path / "kernels.json"
-    argv = ["kernels_bench", "--device", "cpu", "--preset", "small", "--dtypes", "fp32"]
+    argv = ["kernels", "--device", "cpu", "--preset", "small", "--dtypes", "fp32"]
     argv += ["--rows", "1", "--frames", "206", "--kinds", "streaming", "--repeats", "1"]
-    monkeypatch.setattr(sys, "argv", [*argv, "--budget-s", "120", "--out", str(out)])
-    kernels_bench.main()
+    assert bench([*argv, "--budget-s", "120", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert not res["errors"] and not res["skipped"]
     (case,) = res["cases"]
@@ -287,19 +285,14 @@ def test_kernels_bench_counts_visible_keys():
     assert visible_pairs(120, True, 50) == 50 * 50 + 50 * 100 + 20 * 120
 
 
-def test_kernels_bench_runs_only_the_variants_asked_for(tmp_path, monkeypatch):
-    import sys
-
-    from bench import kernels_bench
+def test_kernels_bench_runs_only_the_variants_asked_for(tmp_path):
+    from bench.__main__ import main as bench
 
     out = tmp_path / "kernels.json"
-    argv = ["kernels_bench", "--device", "cpu", "--preset", "small", "--dtypes", "fp32"]
+    argv = ["kernels", "--device", "cpu", "--preset", "small", "--dtypes", "fp32"]
     argv += ["--rows", "1", "--frames", "206", "--kinds", "final", "--repeats", "1"]
     argv += ["--variants", "fused", "--budget-s", "120", "--out", str(out)]
-    monkeypatch.setattr(sys, "argv", argv)
-    kernels_bench.main()
+    assert bench(argv) == 0
     (case,) = json.loads(out.read_text())["cases"]
     assert set(case["variants"]) == {"baseline", "fused"}  # the reference always runs
-    monkeypatch.setattr(sys, "argv", [*argv[:-4], "--variants", "fussed"])
-    with pytest.raises(SystemExit):
-        kernels_bench.main()
+    assert bench([*argv[:-4], "--variants", "fussed"]) == 2

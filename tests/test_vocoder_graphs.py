@@ -341,10 +341,10 @@ def test_cuda_graphs_equal_eager(dtype):
 
 @pytest.mark.slow
 def test_latency_bench_smoke(tmp_path):
-    """bench/vocoder_latency_gpu.py --smoke: every case measured off and on, same audio."""
+    """python -m bench vocoder-latency --smoke: every case measured off and on, same audio."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(root)}
-    cmd = [sys.executable, "bench/vocoder_latency_gpu.py", "--smoke"]
+    cmd = [sys.executable, "-m", "bench", "vocoder-latency", "--smoke"]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     res = json.loads((tmp_path / "vocoder_latency_gpu.json").read_text())
