@@ -13,11 +13,13 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from _stack import start_stack, stream_inputs
+from _stack import gateway_config, start_stack, stream_inputs
 
 from flow_service.model import load_flow
-from gateway.client import decode_audio
+from gateway.client import AsyncClient, decode_audio, split_targets
+from gateway.service import GatewayService
 from token2wav import SAMPLES_PER_TOKEN
+from token2wav.service import start
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
 from vocoder_service.model import load_hift
 
@@ -116,3 +118,56 @@ async def test_bad_resume_values_are_refused_naming_the_field(models):
         assert err[0] == IA and err[1].startswith("config.resume_from_sample:"), err
     finally:
         await stack.stop()
+
+
+async def test_client_resumes_on_the_other_gateway_when_its_own_dies(models):
+    stack = await start_stack(models)
+    routes = [
+        "--flow-addr",
+        f"127.0.0.1:{stack.flow_ports[0]}",
+        "--vocoder-addr",
+        f"127.0.0.1:{stack.vocoder_ports[0]}",
+    ]
+    second = await start(GatewayService(gateway_config(*routes)))
+    try:
+        voice, tokens = stream_inputs(7, 30, 200)
+        total = SAMPLES_PER_TOKEN * len(tokens)
+        async with AsyncClient(f"127.0.0.1:{second.port}") as alone:
+            stream = alone.stream(voice)
+            await stream.send(tokens)
+            await stream.end()
+            ref = np.concatenate([c.samples async for c in stream])
+        assert ref.size == total
+        targets = [stack.target, f"127.0.0.1:{second.port}"]
+        async with AsyncClient(targets, resume_attempts=2) as client:
+            stream = client.stream(voice, request_id="resumed")
+            await stream.send(tokens[:80])  # the input stays open: the stream cannot finish
+            chunks = []
+            async for chunk in stream:
+                chunks.append(chunk)
+                if len(chunks) == 1:
+                    gateway, stack.gateway = stack.gateway, None
+                    await gateway.kill()  # hard: its streams end UNAVAILABLE
+                    await stream.send(tokens[80:])
+                    await stream.end()
+        assert stream.num_resumes == 1 and client.preferred == 1
+        assert [c.seq for c in chunks] == list(range(len(chunks)))
+        offset = 0
+        for c in chunks:
+            assert c.sample_offset == offset
+            offset += c.samples.size
+        assert offset == total and chunks[-1].is_final
+        out = np.concatenate([c.samples for c in chunks])
+        np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+    finally:
+        await second.drain()
+        await stack.stop()
+
+
+def test_targets_and_resume_bounds_are_checked():
+    assert split_targets(" a:1, b:2 ,") == ["a:1", "b:2"]
+    assert split_targets(["a:1"]) == ["a:1"]
+    with pytest.raises(ValueError, match="target"):
+        split_targets(",")
+    with pytest.raises(ValueError, match="resume_attempts"):
+        AsyncClient("a:1", resume_attempts=-1)

@@ -27,6 +27,7 @@ import queue
 import sys
 import threading
 import time
+import uuid
 import wave
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
@@ -335,7 +336,14 @@ def _wire_ids(tokens: Iterable[int]) -> list[int]:
 
 
 class AsyncStream:
-    """One Synthesize stream. Send tokens as they come, then `end()`; iterate the audio."""
+    """One Synthesize stream. Send tokens as they come, then `end()`; iterate the audio.
+
+    Resume: when its gateway goes away (UNAVAILABLE, or the transport breaks), the stream opens
+    itself again on the client's next target with StreamConfig.resume_from_sample = the samples
+    received, the tokens sent so far and end() if it was called; iteration yields every sample
+    once across it. At most `resume_attempts` times, and not past `resume_within_s` seconds after
+    the first loss. PCM16/FLOAT32 at 24 kHz only (other outputs end with the error, as before).
+    The resumed audio is recomputed: equal to the lost stream's within fp32 rounding."""
 
     def __init__(
         self,
@@ -348,16 +356,53 @@ class AsyncStream:
         metadata=(),
         max_message_mb=DEFAULT_MAX_MESSAGE_MB,
         sample_rate=0,
+        stubs=None,
+        resume_attempts=3,
+        resume_within_s=30.0,
+        on_move=None,
     ):
         self._out = _Outgoing(voice, max_message_mb)
-        config = self._out.config(_config(voice, audio_format, request_id, schedule, sample_rate))
-        self._requests: asyncio.Queue = asyncio.Queue()
-        self._requests.put_nowait(config)
-        self._call = stub.Synthesize(self._iter_requests(), timeout=timeout, metadata=metadata)
+        can_resume = FORMATS[audio_format] in (FORMATS["pcm16"], FORMATS["float32"]) and (
+            sample_rate in (0, SAMPLE_RATE)
+        )
+        # the resumed stream must carry the same id; the gateway would make a new one
+        request_id = request_id or (uuid.uuid4().hex if can_resume else "")
+        self._config = self._out.config(
+            _config(voice, audio_format, request_id, schedule, sample_rate)
+        )
+        self._stubs = stubs or [stub]
+        self._target = self._stubs.index(stub) if stub in self._stubs else 0
+        self._resume_attempts = resume_attempts if can_resume else 0
+        self._resume_within_s = resume_within_s
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._metadata = metadata
+        self._sent: list[gateway_pb2.SynthesizeRequest] = []  # every token message, for a resume
+        self._ended = False
+        self._cancelled = False
+        self._received = 0  # samples the user has been given
+        self.num_resumes = 0
+        self._on_move = on_move  # told the target index a stream resumed on
+        self._open(self._config)
 
-    async def _iter_requests(self):
+    def _open(self, config: gateway_pb2.SynthesizeRequest) -> None:
+        self._requests: asyncio.Queue = asyncio.Queue()  # one per call: a lost call keeps its own
+        for msg in (config, *self._sent):
+            self._requests.put_nowait(msg)
+        if self._ended:
+            self._requests.put_nowait(_END)
+            self._requests.put_nowait(None)
+        timeout = None
+        if self._deadline is not None:
+            timeout = max(0.001, self._deadline - time.monotonic())
+        stub = self._stubs[self._target]
+        self._call = stub.Synthesize(
+            self._iter_requests(self._requests), timeout=timeout, metadata=self._metadata
+        )
+
+    @staticmethod
+    async def _iter_requests(requests: asyncio.Queue):
         while True:
-            msg = await self._requests.get()
+            msg = await requests.get()
             if msg is None:
                 return
             yield msg
@@ -368,51 +413,131 @@ class AsyncStream:
         cancel())."""
         ids = _wire_ids(tokens)
         if ids:
-            self._requests.put_nowait(self._out.tokens(ids))
+            msg = self._out.tokens(ids)
+            if self._resume_attempts:
+                self._sent.append(msg)
+            self._requests.put_nowait(msg)
 
     async def end(self) -> None:
-        self._requests.put_nowait(gateway_pb2.SynthesizeRequest(end=gateway_pb2.EndOfInput()))
+        self._ended = True
+        self._requests.put_nowait(_END)
         self._requests.put_nowait(None)
 
     def cancel(self) -> None:
+        self._cancelled = True
         self._call.cancel()
 
+    def _lost(self, exc: grpc.RpcError, first_loss: float | None) -> bool:
+        """Whether to resume after `exc` (the raw error of the current call)."""
+        if self._cancelled or self.num_resumes >= self._resume_attempts:
+            return False
+        if first_loss is not None and time.monotonic() - first_loss > self._resume_within_s:
+            return False
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+            return False
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            return True
+        # The transport broke under a write of ours: no status came from the gateway.
+        return honest_error(exc) is not exc and not _server_status(exc)
+
     async def __aiter__(self) -> AsyncIterator[AudioChunk]:
-        try:
-            async for msg in self._call:
-                yield audio_chunk(msg)
-        except grpc.RpcError as exc:
-            raise honest_error(exc) from None
+        first_loss = None
+        while True:
+            try:
+                async for msg in self._call:
+                    self._received = msg.sample_offset + msg.num_samples
+                    yield audio_chunk(msg)
+                return
+            except grpc.RpcError as exc:
+                if not self._lost(exc, first_loss):
+                    raise honest_error(exc) from None
+            first_loss = first_loss or time.monotonic()
+            # a gateway restarting in place gets a moment; the next target is tried at once
+            await asyncio.sleep(min(1.0, 0.05 * 2**self.num_resumes))
+            self.num_resumes += 1
+            self._target = (self._target + 1) % len(self._stubs)
+            if self._on_move is not None:
+                self._on_move(self._target)
+            config = gateway_pb2.SynthesizeRequest()
+            config.CopyFrom(self._config)
+            config.config.resume_from_sample = self._received
+            self._open(config)
+
+
+_END = gateway_pb2.SynthesizeRequest(end=gateway_pb2.EndOfInput())
+
+
+def _server_status(exc: grpc.RpcError) -> bool:
+    """Whether the gateway stated a status for this call in its headers."""
+    return any(str(k) == STATUS_KEY for k, _ in (exc.initial_metadata() or ()))
+
+
+def split_targets(target: str | Iterable[str]) -> list[str]:
+    """Gateway addresses from one address, a comma-separated list or a list of them."""
+    parts = target.split(",") if isinstance(target, str) else list(target)
+    targets = [t.strip() for t in parts if t.strip()]
+    if not targets:
+        raise ValueError("target: no gateway address given")
+    return targets
 
 
 class AsyncClient:
-    """`tls_ca`: verify the gateway's TLS certificate with this CA file (None: plaintext);
-    `token`: bearer token for a gateway run with --auth-tokens; `server_name`: the name in the
-    gateway's certificate when `target` is an IP; `max_message_mb`: the gateway's
-    --max-message-mb (a stream's config over it is refused here, see `_Outgoing`)."""
+    """`target`: a gateway address, or several (a list, or comma-separated): streams start on
+    the first that last worked and resume on the next (see AsyncStream; with one target, on it
+    again, which serves a gateway restarted in place); `resume_attempts` (0: never resume) and
+    `resume_within_s` bound each stream's resumes. `tls_ca`: verify the gateway's TLS
+    certificate with this CA file (None: plaintext); `token`: bearer token for a gateway run
+    with --auth-tokens; `server_name`: the name in the gateway's certificate when `target` is an
+    IP; `max_message_mb`: the gateway's --max-message-mb (a stream's config over it is refused
+    here, see `_Outgoing`). Voices registered by id live on one gateway: a stream that must
+    resume elsewhere should carry its voice inline (or register it on every gateway)."""
 
     def __init__(
         self,
-        target: str = "127.0.0.1:50051",
+        target: str | Iterable[str] = "127.0.0.1:50051",
         *,
         tls_ca: str | None = None,
         token: str | None = None,
         server_name: str | None = None,
         max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
+        resume_attempts: int = 3,
+        resume_within_s: float = 30.0,
     ):
-        self.channel, self.metadata = _open_channel(grpc.aio, target, tls_ca, token, server_name)
-        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        if resume_attempts < 0 or resume_within_s < 0:
+            raise ValueError("resume_attempts, resume_within_s: want >= 0")
+        self.channels = []
+        for t in split_targets(target):
+            channel, self.metadata = _open_channel(grpc.aio, t, tls_ca, token, server_name)
+            self.channels.append(channel)
+        self.stubs = [gateway_pb2_grpc.GatewayStub(c) for c in self.channels]
+        self.channel, self.stub = self.channels[0], self.stubs[0]  # calls other than streams
         self.max_message_mb = max_message_mb
+        self.resume_attempts = resume_attempts
+        self.resume_within_s = resume_within_s
+        self.preferred = 0  # the target new streams start on: where the last resume went
+
+    def _moved(self, target: int) -> None:
+        self.preferred = target
 
     async def __aenter__(self):
         return self
 
     async def __aexit__(self, *exc):
-        await self.channel.close()
+        for channel in self.channels:
+            await channel.close()
 
     def stream(self, voice: VoiceData | str, **kw) -> AsyncStream:
         kw.setdefault("max_message_mb", self.max_message_mb)
-        return AsyncStream(self.stub, voice, metadata=self.metadata, **kw)
+        kw.setdefault("resume_attempts", self.resume_attempts)
+        kw.setdefault("resume_within_s", self.resume_within_s)
+        return AsyncStream(
+            self.stubs[self.preferred],
+            voice,
+            metadata=self.metadata,
+            stubs=self.stubs,
+            on_move=self._moved,
+            **kw,
+        )
 
     async def register_voice(self, voice: VoiceData) -> str:
         resp = await self.stub.RegisterVoice(
