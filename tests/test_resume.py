@@ -16,7 +16,7 @@ import torch
 from _stack import gateway_config, start_stack, stream_inputs
 
 from flow_service.model import load_flow
-from gateway.client import AsyncClient, decode_audio, split_targets
+from gateway.client import AsyncClient, Client, decode_audio, split_targets
 from gateway.service import GatewayService
 from token2wav import SAMPLES_PER_TOKEN
 from token2wav.service import start
@@ -120,7 +120,8 @@ async def test_bad_resume_values_are_refused_naming_the_field(models):
         await stack.stop()
 
 
-async def test_client_resumes_on_the_other_gateway_when_its_own_dies(models):
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+async def test_client_resumes_on_the_other_gateway_when_its_own_dies(models, sync):
     stack = await start_stack(models)
     routes = [
         "--flow-addr",
@@ -139,17 +140,39 @@ async def test_client_resumes_on_the_other_gateway_when_its_own_dies(models):
             ref = np.concatenate([c.samples async for c in stream])
         assert ref.size == total
         targets = [stack.target, f"127.0.0.1:{second.port}"]
-        async with AsyncClient(targets, resume_attempts=2) as client:
-            stream = client.stream(voice, request_id="resumed")
-            await stream.send(tokens[:80])  # the input stays open: the stream cannot finish
-            chunks = []
-            async for chunk in stream:
-                chunks.append(chunk)
-                if len(chunks) == 1:
-                    gateway, stack.gateway = stack.gateway, None
-                    await gateway.kill()  # hard: its streams end UNAVAILABLE
-                    await stream.send(tokens[80:])
-                    await stream.end()
+
+        async def kill_serving():
+            gateway, stack.gateway = stack.gateway, None
+            await gateway.kill()  # hard: its streams end UNAVAILABLE
+
+        if sync:
+            loop = asyncio.get_running_loop()
+
+            def run():
+                with Client(targets, resume_attempts=2) as client:
+                    stream = client.stream(voice, request_id="resumed")
+                    stream.send(tokens[:80])
+                    chunks = []
+                    for chunk in stream:
+                        chunks.append(chunk)
+                        if len(chunks) == 1:
+                            asyncio.run_coroutine_threadsafe(kill_serving(), loop).result()
+                            stream.send(tokens[80:])
+                            stream.end()
+                return client, stream, chunks
+
+            client, stream, chunks = await asyncio.to_thread(run)
+        else:
+            async with AsyncClient(targets, resume_attempts=2) as client:
+                stream = client.stream(voice, request_id="resumed")
+                await stream.send(tokens[:80])  # the input stays open: the stream cannot end
+                chunks = []
+                async for chunk in stream:
+                    chunks.append(chunk)
+                    if len(chunks) == 1:
+                        await kill_serving()
+                        await stream.send(tokens[80:])
+                        await stream.end()
         assert stream.num_resumes == 1 and client.preferred == 1
         assert [c.seq for c in chunks] == list(range(len(chunks)))
         offset = 0
