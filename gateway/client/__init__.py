@@ -434,10 +434,13 @@ class AsyncStream:
                     yield audio_chunk(msg)
                 return
             except grpc.RpcError as exc:
+                lost = honest_error(exc)
                 if not _should_resume(self, exc, first_loss):
-                    raise honest_error(exc) from None
+                    raise lost from None
             first_loss = first_loss or time.monotonic()
             await asyncio.sleep(_resume_pause(self.num_resumes))
+            if self._cancelled:  # by the user during the pause
+                raise lost
             self.num_resumes += 1
             self._target = (self._target + 1) % len(self._stubs)
             if self._on_move is not None:
@@ -666,10 +669,13 @@ class Stream:
                     yield audio_chunk(msg)
                 return
             except grpc.RpcError as exc:
+                lost = honest_error(exc)
                 if not _should_resume(self, exc, first_loss):
-                    raise honest_error(exc) from None
+                    raise lost from None
             first_loss = first_loss or time.monotonic()
             time.sleep(_resume_pause(self.num_resumes))
+            if self._cancelled:  # by the user during the pause
+                raise lost
             self.num_resumes += 1
             self._target = (self._target + 1) % len(self._stubs)
             if self._on_move is not None:
