@@ -78,14 +78,17 @@ class StreamSetup:
     audio_format: int  # gateway_pb2.AudioFormat, never UNSPECIFIED
     schedule: ScheduleConfig
     deadline: float | None  # monotonic, from the client's deadline
+    # A resumed stream (StreamConfig.resume_from_sample): the client has the samples before it.
+    resume_from_sample: int = 0
 
 
-def to_client_audio(audio: common_pb2.Tensor, audio_format: int) -> bytes:
-    """The vocoder's float32 samples (header checked) in the client's format: float32 passes
-    through as it came (little-endian on both wires), int16 is rounded and clipped."""
+def to_client_audio(audio: common_pb2.Tensor, audio_format: int, skip: int = 0) -> bytes:
+    """The vocoder's float32 samples (header checked) from sample `skip` on, in the client's
+    format: float32 passes through as it came (little-endian on both wires), int16 is rounded
+    and clipped."""
     if audio_format == gateway_pb2.AUDIO_FORMAT_FLOAT32:
-        return audio.data
-    samples = decode(audio, "audio", shape=(None,))  # a fresh copy: scaled in place
+        return audio.data[4 * skip :]
+    samples = decode(audio, "audio", shape=(None,))[skip:]  # a fresh copy: scaled in place
     samples *= 32767.0
     np.rint(samples, out=samples)  # what np.round does (half to even), without a new array
     np.clip(samples, -32768, 32767, out=samples)
@@ -210,6 +213,13 @@ class StreamPipeline:
                 self.num_tokens += ids.size
             elif kind == "end":
                 self.ended = True
+                total = SAMPLES_PER_TOKEN * self.num_tokens
+                if self.setup.resume_from_sample > total:
+                    raise InvalidArgument(
+                        "config.resume_from_sample",
+                        f"{self.setup.resume_from_sample} is past the end of the audio "
+                        f"({total} samples for the {self.num_tokens} tokens sent)",
+                    )
             elif kind == "config":
                 raise InvalidArgument("config", "sent twice; StreamConfig comes first, once")
             else:
@@ -375,17 +385,18 @@ class StreamPipeline:
                 return
             seq += 1
 
-    def _deliver(self, audio: vocoder_pb2.VocoderAudio, num_samples: int):
+    def _deliver(self, audio: vocoder_pb2.VocoderAudio, num_samples: int, skip: int):
+        """The client's response for a vocoder chunk, less its first `skip` samples."""
         flow_out = self._mels[audio.seq].result()
         fmt = self.setup.audio_format
         msg = gateway_pb2.SynthesizeResponse(
             request_id=self.setup.request_id,
             seq=audio.seq,
-            sample_offset=audio.sample_offset,
+            sample_offset=audio.sample_offset + skip,
             sample_rate=SAMPLE_RATE,
             audio_format=fmt,
-            audio=to_client_audio(audio.audio, fmt),
-            num_samples=num_samples,
+            audio=to_client_audio(audio.audio, fmt, skip),
+            num_samples=num_samples - skip,
             is_final=audio.is_final,
             timing=gateway_pb2.ChunkTiming(
                 flow_queue_ms=flow_out.queue_ms,
@@ -421,7 +432,12 @@ class StreamPipeline:
                             f"delivered {self._delivered_sizes[audio.seq]}"
                         )
                 else:
-                    await self._out.put(self._deliver(audio, num_samples))
+                    # The one place samples are held back: those a resumed stream's client has
+                    # (all of a chunk before resume_from_sample, the head of the chunk it
+                    # falls in). The final chunk always goes out, if empty, to end the stream.
+                    skip = min(num_samples, max(0, self.setup.resume_from_sample - expected_offset))
+                    if skip < num_samples or audio.is_final:
+                        await self._out.put(self._deliver(audio, num_samples, skip))
                     self._num_delivered += 1
                     self._delivered_sizes.append(num_samples)
                 expected_seq += 1

@@ -16,7 +16,7 @@ from gateway.pipeline import PipelineLimits, StreamPipeline, StreamSetup
 from gateway.routing import ReplicaSet
 from gateway.schedule import ScheduleConfig
 from gateway.voices import VoiceMaker, voice_from_request
-from token2wav import tracing
+from token2wav import MAX_FRAMES, SAMPLES_PER_TOKEN, TOKEN_MEL_RATIO, tracing
 from token2wav.errors import (
     InvalidArgument,
     NotFound,
@@ -30,6 +30,8 @@ from token2wav.tensors import VoiceData, decode_voice, encode
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+MAX_SAMPLES = MAX_FRAMES // TOKEN_MEL_RATIO * SAMPLES_PER_TOKEN  # 300 s, prompt included
 
 
 class VoiceRegistry:
@@ -124,9 +126,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         schedule = ScheduleConfig.from_proto(
             cfg.schedule if cfg.HasField("schedule") else None, self.limits.schedule
         )
+        resume = cfg.resume_from_sample
+        if resume and not output.is_passthrough:
+            raise InvalidArgument(
+                "config.resume_from_sample",
+                "resume takes PCM16 or FLOAT32 at 24000 Hz only (resampled or encoded output "
+                "cannot start mid-stream)",
+            )
+        if resume > MAX_SAMPLES:
+            raise InvalidArgument(
+                "config.resume_from_sample", f"{resume} is past the longest stream (300 s)"
+            )
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        return StreamSetup(request_id, voice, fmt, schedule, deadline), output
+        return StreamSetup(request_id, voice, fmt, schedule, deadline, resume), output
 
     async def Synthesize(self, request_iterator, context):
         inbound = Inbound(request_iterator, self.inbound)

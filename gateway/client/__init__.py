@@ -27,6 +27,7 @@ import queue
 import sys
 import threading
 import time
+import uuid
 import wave
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
@@ -335,7 +336,14 @@ def _wire_ids(tokens: Iterable[int]) -> list[int]:
 
 
 class AsyncStream:
-    """One Synthesize stream. Send tokens as they come, then `end()`; iterate the audio."""
+    """One Synthesize stream. Send tokens as they come, then `end()`; iterate the audio.
+
+    Resume: when its gateway goes away (UNAVAILABLE, or the transport breaks), the stream opens
+    itself again on the client's next target with StreamConfig.resume_from_sample = the samples
+    received, the tokens sent so far and end() if it was called; iteration yields every sample
+    once across it. At most `resume_attempts` times, and not past `resume_within_s` seconds after
+    the first loss. PCM16/FLOAT32 at 24 kHz only (other outputs end with the error, as before).
+    The resumed audio is recomputed: equal to the lost stream's within fp32 rounding."""
 
     def __init__(
         self,
@@ -348,16 +356,51 @@ class AsyncStream:
         metadata=(),
         max_message_mb=DEFAULT_MAX_MESSAGE_MB,
         sample_rate=0,
+        stubs=None,
+        resume_attempts=3,
+        resume_within_s=30.0,
+        on_move=None,
     ):
         self._out = _Outgoing(voice, max_message_mb)
-        config = self._out.config(_config(voice, audio_format, request_id, schedule, sample_rate))
-        self._requests: asyncio.Queue = asyncio.Queue()
-        self._requests.put_nowait(config)
-        self._call = stub.Synthesize(self._iter_requests(), timeout=timeout, metadata=metadata)
+        can_resume = _can_resume(audio_format, sample_rate)
+        # the resumed stream must carry the same id; the gateway would make a new one
+        request_id = request_id or (uuid.uuid4().hex if can_resume else "")
+        self._config = self._out.config(
+            _config(voice, audio_format, request_id, schedule, sample_rate)
+        )
+        self._stubs = stubs or [stub]
+        self._target = self._stubs.index(stub) if stub in self._stubs else 0
+        self._resume_attempts = resume_attempts if can_resume else 0
+        self._resume_within_s = resume_within_s
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._metadata = metadata
+        self._sent: list[gateway_pb2.SynthesizeRequest] = []  # every token message, for a resume
+        self._ended = False
+        self._cancelled = False
+        self._received = 0  # samples the user has been given
+        self.num_resumes = 0
+        self._on_move = on_move  # told the target index a stream resumed on
+        self._open(self._config)
 
-    async def _iter_requests(self):
+    def _open(self, config: gateway_pb2.SynthesizeRequest) -> None:
+        self._requests: asyncio.Queue = asyncio.Queue()  # one per call: a lost call keeps its own
+        for msg in (config, *self._sent):
+            self._requests.put_nowait(msg)
+        if self._ended:
+            self._requests.put_nowait(_END)
+            self._requests.put_nowait(None)
+        timeout = None
+        if self._deadline is not None:
+            timeout = max(0.001, self._deadline - time.monotonic())
+        stub = self._stubs[self._target]
+        self._call = stub.Synthesize(
+            self._iter_requests(self._requests), timeout=timeout, metadata=self._metadata
+        )
+
+    @staticmethod
+    async def _iter_requests(requests: asyncio.Queue):
         while True:
-            msg = await self._requests.get()
+            msg = await requests.get()
             if msg is None:
                 return
             yield msg
@@ -368,51 +411,154 @@ class AsyncStream:
         cancel())."""
         ids = _wire_ids(tokens)
         if ids:
-            self._requests.put_nowait(self._out.tokens(ids))
+            msg = self._out.tokens(ids)
+            if self._resume_attempts:
+                self._sent.append(msg)
+            self._requests.put_nowait(msg)
 
     async def end(self) -> None:
-        self._requests.put_nowait(gateway_pb2.SynthesizeRequest(end=gateway_pb2.EndOfInput()))
+        self._ended = True
+        self._requests.put_nowait(_END)
         self._requests.put_nowait(None)
 
     def cancel(self) -> None:
+        self._cancelled = True
         self._call.cancel()
 
     async def __aiter__(self) -> AsyncIterator[AudioChunk]:
-        try:
-            async for msg in self._call:
-                yield audio_chunk(msg)
-        except grpc.RpcError as exc:
-            raise honest_error(exc) from None
+        first_loss = None
+        while True:
+            try:
+                async for msg in self._call:
+                    self._received = msg.sample_offset + msg.num_samples
+                    yield audio_chunk(msg)
+                return
+            except grpc.RpcError as exc:
+                lost = honest_error(exc)
+                if not _should_resume(self, exc, first_loss):
+                    raise lost from None
+            first_loss = first_loss or time.monotonic()
+            await asyncio.sleep(_resume_pause(self.num_resumes))
+            if self._cancelled:  # by the user during the pause
+                raise lost
+            self.num_resumes += 1
+            self._target = (self._target + 1) % len(self._stubs)
+            if self._on_move is not None:
+                self._on_move(self._target)
+            self._open(_resume_config(self._config, self._received))
+
+
+_END = gateway_pb2.SynthesizeRequest(end=gateway_pb2.EndOfInput())
+
+
+def _can_resume(audio_format: str, sample_rate: int) -> bool:
+    """The outputs a gateway can resume (StreamConfig.resume_from_sample)."""
+    return audio_format in ("pcm16", "float32") and sample_rate in (0, SAMPLE_RATE)
+
+
+def _check_resume_bounds(attempts: int, within_s: float) -> None:
+    if attempts < 0 or within_s < 0:
+        raise ValueError("resume_attempts, resume_within_s: want >= 0")
+
+
+def _should_resume(stream, exc: grpc.RpcError, first_loss: float | None) -> bool:
+    """Whether a stream (sync or async) resumes after `exc`, its current call's raw error:
+    its gateway went away and the stream is within its bounds."""
+    now = time.monotonic()
+    if stream._cancelled or stream.num_resumes >= stream._resume_attempts:
+        return False
+    if first_loss is not None and now - first_loss > stream._resume_within_s:
+        return False
+    if stream._deadline is not None and now >= stream._deadline:
+        return False
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        return True
+    # The transport broke under a write of ours and no status came from the gateway.
+    return honest_error(exc) is not exc and not _server_status(exc)
+
+
+def _resume_pause(num_resumes: int) -> float:
+    """Seconds before a resume: a gateway restarting in place gets a moment, growing."""
+    return min(1.0, 0.05 * 2**num_resumes)
+
+
+def _resume_config(config: gateway_pb2.SynthesizeRequest, received: int):
+    msg = gateway_pb2.SynthesizeRequest()
+    msg.CopyFrom(config)
+    msg.config.resume_from_sample = received
+    return msg
+
+
+def _server_status(exc: grpc.RpcError) -> bool:
+    """Whether the gateway stated a status for this call in its headers."""
+    return any(str(k) == STATUS_KEY for k, _ in (exc.initial_metadata() or ()))
+
+
+def split_targets(target: str | Iterable[str]) -> list[str]:
+    """Gateway addresses from one address, a comma-separated list or a list of them."""
+    parts = target.split(",") if isinstance(target, str) else list(target)
+    targets = [t.strip() for t in parts if t.strip()]
+    if not targets:
+        raise ValueError("target: no gateway address given")
+    return targets
 
 
 class AsyncClient:
-    """`tls_ca`: verify the gateway's TLS certificate with this CA file (None: plaintext);
-    `token`: bearer token for a gateway run with --auth-tokens; `server_name`: the name in the
-    gateway's certificate when `target` is an IP; `max_message_mb`: the gateway's
-    --max-message-mb (a stream's config over it is refused here, see `_Outgoing`)."""
+    """`target`: a gateway address, or several (a list, or comma-separated): streams start on
+    the first that last worked and resume on the next (see AsyncStream; with one target, on it
+    again, which serves a gateway restarted in place); `resume_attempts` (0: never resume) and
+    `resume_within_s` bound each stream's resumes. `tls_ca`: verify the gateway's TLS
+    certificate with this CA file (None: plaintext); `token`: bearer token for a gateway run
+    with --auth-tokens; `server_name`: the name in the gateway's certificate when `target` is an
+    IP; `max_message_mb`: the gateway's --max-message-mb (a stream's config over it is refused
+    here, see `_Outgoing`). Voices registered by id live on one gateway: a stream that must
+    resume elsewhere should carry its voice inline (or register it on every gateway)."""
 
     def __init__(
         self,
-        target: str = "127.0.0.1:50051",
+        target: str | Iterable[str] = "127.0.0.1:50051",
         *,
         tls_ca: str | None = None,
         token: str | None = None,
         server_name: str | None = None,
         max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
+        resume_attempts: int = 3,
+        resume_within_s: float = 30.0,
     ):
-        self.channel, self.metadata = _open_channel(grpc.aio, target, tls_ca, token, server_name)
-        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        _check_resume_bounds(resume_attempts, resume_within_s)
+        self.channels = []
+        for t in split_targets(target):
+            channel, self.metadata = _open_channel(grpc.aio, t, tls_ca, token, server_name)
+            self.channels.append(channel)
+        self.stubs = [gateway_pb2_grpc.GatewayStub(c) for c in self.channels]
+        self.channel, self.stub = self.channels[0], self.stubs[0]  # calls other than streams
         self.max_message_mb = max_message_mb
+        self.resume_attempts = resume_attempts
+        self.resume_within_s = resume_within_s
+        self.preferred = 0  # the target new streams start on: where the last resume went
+
+    def _moved(self, target: int) -> None:
+        self.preferred = target
 
     async def __aenter__(self):
         return self
 
     async def __aexit__(self, *exc):
-        await self.channel.close()
+        for channel in self.channels:
+            await channel.close()
 
     def stream(self, voice: VoiceData | str, **kw) -> AsyncStream:
         kw.setdefault("max_message_mb", self.max_message_mb)
-        return AsyncStream(self.stub, voice, metadata=self.metadata, **kw)
+        kw.setdefault("resume_attempts", self.resume_attempts)
+        kw.setdefault("resume_within_s", self.resume_within_s)
+        return AsyncStream(
+            self.stubs[self.preferred],
+            voice,
+            metadata=self.metadata,
+            stubs=self.stubs,
+            on_move=self._moved,
+            **kw,
+        )
 
     async def register_voice(self, voice: VoiceData) -> str:
         resp = await self.stub.RegisterVoice(
@@ -433,7 +579,8 @@ class AsyncClient:
 
 
 class Stream:
-    """The synchronous twin of AsyncStream (gRPC reads the request queue on its own thread)."""
+    """The synchronous twin of AsyncStream, resume included (gRPC reads the request queue on
+    its own thread)."""
 
     def __init__(
         self,
@@ -446,14 +593,48 @@ class Stream:
         metadata=(),
         max_message_mb=DEFAULT_MAX_MESSAGE_MB,
         sample_rate=0,
+        stubs=None,
+        resume_attempts=3,
+        resume_within_s=30.0,
+        on_move=None,
     ):
         self._out = _Outgoing(voice, max_message_mb)
-        config = self._out.config(_config(voice, audio_format, request_id, schedule, sample_rate))
-        self._requests: queue.Queue = queue.Queue()
-        self._requests.put(config)
-        self._call = stub.Synthesize(
-            iter(self._requests.get, None), timeout=timeout, metadata=metadata
+        can_resume = _can_resume(audio_format, sample_rate)
+        request_id = request_id or (uuid.uuid4().hex if can_resume else "")
+        self._config = self._out.config(
+            _config(voice, audio_format, request_id, schedule, sample_rate)
         )
+        self._stubs = stubs or [stub]
+        self._target = self._stubs.index(stub) if stub in self._stubs else 0
+        self._resume_attempts = resume_attempts if can_resume else 0
+        self._resume_within_s = resume_within_s
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._metadata = metadata
+        self._lock = threading.Lock()  # send() from one thread, a resume on the iterating one
+        self._sent: list[gateway_pb2.SynthesizeRequest] = []
+        self._ended = False
+        self._cancelled = False
+        self._received = 0
+        self.num_resumes = 0
+        self._on_move = on_move
+        self._requests: queue.Queue = queue.Queue()
+        self._open(self._config)
+
+    def _open(self, config: gateway_pb2.SynthesizeRequest) -> None:
+        with self._lock:
+            self._requests.put(None)  # ends a lost call's request iterator (its sender thread)
+            self._requests = queue.Queue()
+            for msg in (config, *self._sent):
+                self._requests.put(msg)
+            if self._ended:
+                self._requests.put(_END)
+                self._requests.put(None)
+            timeout = None
+            if self._deadline is not None:
+                timeout = max(0.001, self._deadline - time.monotonic())
+            self._call = self._stubs[self._target].Synthesize(
+                iter(self._requests.get, None), timeout=timeout, metadata=self._metadata
+            )
 
     def send(self, tokens: Iterable[int]) -> None:
         """Queue token ids. A bad id, or more tokens than a stream can have, raises
@@ -461,22 +642,45 @@ class Stream:
         cancel())."""
         ids = _wire_ids(tokens)
         if ids:
-            self._requests.put(self._out.tokens(ids))
+            with self._lock:
+                msg = self._out.tokens(ids)
+                if self._resume_attempts:
+                    self._sent.append(msg)
+                self._requests.put(msg)
 
     def end(self) -> None:
-        self._requests.put(gateway_pb2.SynthesizeRequest(end=gateway_pb2.EndOfInput()))
-        self._requests.put(None)
+        with self._lock:
+            self._ended = True
+            self._requests.put(_END)
+            self._requests.put(None)
 
     def cancel(self) -> None:
-        self._call.cancel()
-        self._requests.put(None)  # ends the request iterator gRPC's sender thread waits on
+        with self._lock:
+            self._cancelled = True
+            self._call.cancel()
+            self._requests.put(None)  # ends the request iterator gRPC's sender thread waits on
 
     def __iter__(self) -> Iterator[AudioChunk]:
-        try:
-            for msg in self._call:
-                yield audio_chunk(msg)
-        except grpc.RpcError as exc:
-            raise honest_error(exc) from None
+        first_loss = None
+        while True:
+            try:
+                for msg in self._call:
+                    self._received = msg.sample_offset + msg.num_samples
+                    yield audio_chunk(msg)
+                return
+            except grpc.RpcError as exc:
+                lost = honest_error(exc)
+                if not _should_resume(self, exc, first_loss):
+                    raise lost from None
+            first_loss = first_loss or time.monotonic()
+            time.sleep(_resume_pause(self.num_resumes))
+            if self._cancelled:  # by the user during the pause
+                raise lost
+            self.num_resumes += 1
+            self._target = (self._target + 1) % len(self._stubs)
+            if self._on_move is not None:
+                self._on_move(self._target)
+            self._open(_resume_config(self._config, self._received))
 
 
 class Client:
@@ -484,26 +688,49 @@ class Client:
 
     def __init__(
         self,
-        target: str = "127.0.0.1:50051",
+        target: str | Iterable[str] = "127.0.0.1:50051",
         *,
         tls_ca: str | None = None,
         token: str | None = None,
         server_name: str | None = None,
         max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
+        resume_attempts: int = 3,
+        resume_within_s: float = 30.0,
     ):
-        self.channel, self.metadata = _open_channel(grpc, target, tls_ca, token, server_name)
-        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        _check_resume_bounds(resume_attempts, resume_within_s)
+        self.channels = []
+        for t in split_targets(target):
+            channel, self.metadata = _open_channel(grpc, t, tls_ca, token, server_name)
+            self.channels.append(channel)
+        self.stubs = [gateway_pb2_grpc.GatewayStub(c) for c in self.channels]
+        self.channel, self.stub = self.channels[0], self.stubs[0]  # calls other than streams
         self.max_message_mb = max_message_mb
+        self.resume_attempts = resume_attempts
+        self.resume_within_s = resume_within_s
+        self.preferred = 0
+
+    def _moved(self, target: int) -> None:
+        self.preferred = target
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        self.channel.close()
+        for channel in self.channels:
+            channel.close()
 
     def stream(self, voice: VoiceData | str, **kw) -> Stream:
         kw.setdefault("max_message_mb", self.max_message_mb)
-        return Stream(self.stub, voice, metadata=self.metadata, **kw)
+        kw.setdefault("resume_attempts", self.resume_attempts)
+        kw.setdefault("resume_within_s", self.resume_within_s)
+        return Stream(
+            self.stubs[self.preferred],
+            voice,
+            metadata=self.metadata,
+            stubs=self.stubs,
+            on_move=self._moved,
+            **kw,
+        )
 
     def register_voice(self, voice: VoiceData) -> str:
         return self.stub.RegisterVoice(

@@ -46,7 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser(
         "synthesize", parents=[common], help="stream tokens through the gateway into a WAV file"
     )
-    s.add_argument("--target", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    s.add_argument(
+        "--target",
+        default="127.0.0.1:50051",
+        help="gateway HOST:PORT, or several comma-separated: a stream whose gateway fails "
+        "resumes on the next",
+    )
     which = s.add_mutually_exclusive_group(required=True)
     which.add_argument("--voice", help=".npz with prompt_token, prompt_feat, embedding")
     which.add_argument(

@@ -58,20 +58,22 @@ class SynthesizeRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[StreamConfig, _Mapping]] = ..., tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., end: _Optional[_Union[EndOfInput, _Mapping]] = ...) -> None: ...
 
 class StreamConfig(_message.Message):
-    __slots__ = ("request_id", "inline_voice", "voice_id", "audio_format", "schedule", "sample_rate")
+    __slots__ = ("request_id", "inline_voice", "voice_id", "audio_format", "schedule", "sample_rate", "resume_from_sample")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INLINE_VOICE_FIELD_NUMBER: _ClassVar[int]
     VOICE_ID_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FORMAT_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FROM_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inline_voice: _common_pb2.Voice
     voice_id: str
     audio_format: AudioFormat
     schedule: ChunkSchedule
     sample_rate: int
-    def __init__(self, request_id: _Optional[str] = ..., inline_voice: _Optional[_Union[_common_pb2.Voice, _Mapping]] = ..., voice_id: _Optional[str] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., schedule: _Optional[_Union[ChunkSchedule, _Mapping]] = ..., sample_rate: _Optional[int] = ...) -> None: ...
+    resume_from_sample: int
+    def __init__(self, request_id: _Optional[str] = ..., inline_voice: _Optional[_Union[_common_pb2.Voice, _Mapping]] = ..., voice_id: _Optional[str] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., schedule: _Optional[_Union[ChunkSchedule, _Mapping]] = ..., sample_rate: _Optional[int] = ..., resume_from_sample: _Optional[int] = ...) -> None: ...
 
 class ChunkSchedule(_message.Message):
     __slots__ = ("first_hop_tokens", "max_hop_tokens", "hop_scale", "disable_prompt_pad", "kind", "final_attention")

@@ -1,0 +1,196 @@
+"""Resuming a stream (StreamConfig.resume_from_sample): the server skips exactly the samples the
+client has, and the client library resumes by itself on another gateway when its own dies.
+
+The oracle is an undisturbed stream through the same stack: resumed audio is recomputed, so it
+must equal that stream's samples [N:] within fp32 rounding, with seq and sample_offset
+continuing its numbering."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from _stack import gateway_config, start_stack, stream_inputs
+
+from flow_service.model import load_flow
+from gateway.client import AsyncClient, Client, decode_audio, split_targets
+from gateway.service import GatewayService
+from token2wav import SAMPLES_PER_TOKEN
+from token2wav.service import start
+from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
+from vocoder_service.model import load_hift
+
+torch.set_num_threads(1)
+
+IA = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture(scope="module")
+def models():
+    return load_flow(None, preset="small"), load_hift(None, preset="small")
+
+
+def _messages(voice, tokens, resume=0, fmt=gateway_pb2.AUDIO_FORMAT_FLOAT32, end=True):
+    cfg = gateway_pb2.StreamConfig(request_id="r", audio_format=fmt, resume_from_sample=resume)
+    cfg.inline_voice.CopyFrom(voice.to_proto())
+    msgs = [gateway_pb2.SynthesizeRequest(config=cfg)]
+    msgs.append(gateway_pb2.SynthesizeRequest(tokens=gateway_pb2.TokenChunk(tokens=tokens)))
+    if end:
+        msgs.append(gateway_pb2.SynthesizeRequest(end=gateway_pb2.EndOfInput()))
+    return msgs
+
+
+async def _run(target, messages):
+    """(responses, None) or (None, (code, details)), from the sync stub off the loop."""
+
+    def call():
+        with grpc.insecure_channel(target) as ch:
+            try:
+                stub = gateway_pb2_grpc.GatewayStub(ch)
+                return list(stub.Synthesize(iter(messages), timeout=60)), None
+            except grpc.RpcError as exc:
+                return None, (exc.code(), exc.details())
+
+    return await asyncio.to_thread(call)
+
+
+def _check_contiguous(msgs, first_offset, total):
+    offset = first_offset
+    for prev, m in zip([None, *msgs], msgs):
+        assert m.sample_offset == offset
+        if prev is not None:
+            assert m.seq == prev.seq + 1
+        offset += m.num_samples
+    assert offset == total
+    assert msgs[-1].is_final and not any(m.is_final for m in msgs[:-1])
+
+
+async def test_server_resume_sends_exactly_the_samples_from_n(models):
+    stack = await start_stack(models)
+    try:
+        voice, tokens = stream_inputs(5, 30, 160)
+        ids = [int(t) for t in tokens]
+        total = SAMPLES_PER_TOKEN * len(ids)
+        full, err = await _run(stack.target, _messages(voice, ids))
+        assert err is None and len(full) >= 3
+        ref = np.concatenate([decode_audio(m) for m in full])
+        assert ref.size == total
+        boundary = full[1].sample_offset
+        for n, seq in [(boundary, 1), (boundary + 123, 1), (full[-1].sample_offset - 1, None)]:
+            out, err = await _run(stack.target, _messages(voice, ids, resume=n))
+            assert err is None, (n, err)
+            want_seq = seq if seq is not None else full[-1].seq - 1
+            assert out[0].seq == want_seq and out[0].sample_offset == n
+            _check_contiguous(out, n, total)
+            got = np.concatenate([decode_audio(m) for m in out])
+            np.testing.assert_allclose(got, ref[n:], atol=1e-5, rtol=0)
+        # Resumed at the very end: one empty final chunk ends the stream.
+        out, err = await _run(stack.target, _messages(voice, ids, resume=total))
+        assert err is None and len(out) == 1
+        assert out[0].is_final and out[0].num_samples == 0 and out[0].sample_offset == total
+        # PCM16 is cut the same way (its rounding of the same floats).
+        out, err = await _run(
+            stack.target,
+            _messages(voice, ids, resume=boundary + 7, fmt=gateway_pb2.AUDIO_FORMAT_PCM16),
+        )
+        assert err is None
+        pcm = np.concatenate([decode_audio(m) for m in out])
+        np.testing.assert_allclose(pcm, ref[boundary + 7 :], atol=1.01 / 32767, rtol=0)
+    finally:
+        await stack.stop()
+
+
+async def test_bad_resume_values_are_refused_naming_the_field(models):
+    stack = await start_stack(models)
+    try:
+        voice, tokens = stream_inputs(6, 10, 40)
+        ids = [int(t) for t in tokens]
+        total = SAMPLES_PER_TOKEN * len(ids)
+        _, err = await _run(stack.target, _messages(voice, ids, resume=total + 1))
+        assert err[0] == IA and err[1].startswith("config.resume_from_sample:"), err
+        _, err = await _run(stack.target, _messages(voice, ids, resume=1 << 40))
+        assert err[0] == IA and err[1].startswith("config.resume_from_sample:"), err
+        wav = gateway_pb2.AUDIO_FORMAT_WAV
+        _, err = await _run(stack.target, _messages(voice, ids, resume=100, fmt=wav))
+        assert err[0] == IA and err[1].startswith("config.resume_from_sample:"), err
+    finally:
+        await stack.stop()
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+async def test_client_resumes_on_the_other_gateway_when_its_own_dies(models, sync):
+    stack = await start_stack(models)
+    routes = [
+        "--flow-addr",
+        f"127.0.0.1:{stack.flow_ports[0]}",
+        "--vocoder-addr",
+        f"127.0.0.1:{stack.vocoder_ports[0]}",
+    ]
+    second = await start(GatewayService(gateway_config(*routes)))
+    try:
+        voice, tokens = stream_inputs(7, 30, 200)
+        total = SAMPLES_PER_TOKEN * len(tokens)
+        async with AsyncClient(f"127.0.0.1:{second.port}") as alone:
+            stream = alone.stream(voice)
+            await stream.send(tokens)
+            await stream.end()
+            ref = np.concatenate([c.samples async for c in stream])
+        assert ref.size == total
+        targets = [stack.target, f"127.0.0.1:{second.port}"]
+
+        async def kill_serving():
+            gateway, stack.gateway = stack.gateway, None
+            await gateway.kill()  # hard: its streams end UNAVAILABLE
+
+        if sync:
+            loop = asyncio.get_running_loop()
+
+            def run():
+                with Client(targets, resume_attempts=2) as client:
+                    stream = client.stream(voice, request_id="resumed")
+                    stream.send(tokens[:80])
+                    chunks = []
+                    for chunk in stream:
+                        chunks.append(chunk)
+                        if len(chunks) == 1:
+                            asyncio.run_coroutine_threadsafe(kill_serving(), loop).result()
+                            stream.send(tokens[80:])
+                            stream.end()
+                return client, stream, chunks
+
+            client, stream, chunks = await asyncio.to_thread(run)
+        else:
+            async with AsyncClient(targets, resume_attempts=2) as client:
+                stream = client.stream(voice, request_id="resumed")
+                await stream.send(tokens[:80])  # the input stays open: the stream cannot end
+                chunks = []
+                async for chunk in stream:
+                    chunks.append(chunk)
+                    if len(chunks) == 1:
+                        await kill_serving()
+                        await stream.send(tokens[80:])
+                        await stream.end()
+        assert stream.num_resumes == 1 and client.preferred == 1
+        assert [c.seq for c in chunks] == list(range(len(chunks)))
+        offset = 0
+        for c in chunks:
+            assert c.sample_offset == offset
+            offset += c.samples.size
+        assert offset == total and chunks[-1].is_final
+        out = np.concatenate([c.samples for c in chunks])
+        np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+    finally:
+        await second.drain()
+        await stack.stop()
+
+
+def test_targets_and_resume_bounds_are_checked():
+    assert split_targets(" a:1, b:2 ,") == ["a:1", "b:2"]
+    assert split_targets(["a:1"]) == ["a:1"]
+    with pytest.raises(ValueError, match="target"):
+        split_targets(",")
+    with pytest.raises(ValueError, match="resume_attempts"):
+        AsyncClient("a:1", resume_attempts=-1)
