@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # workers keep `make test` within its 6 minutes on CI's 2 cores.
 PYTEST_WORKERS ?= 2
 
-.PHONY: venv test test-all lint fmt protos check-protos run clean test-gpu flags
+.PHONY: venv test test-all lint fmt protos run clean test-gpu flags
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
