@@ -335,7 +335,60 @@ def _wire_ids(tokens: Iterable[int]) -> list[int]:
     return token_ids(tokens if isinstance(tokens, np.ndarray) else list(tokens)).tolist()
 
 
-class AsyncStream:
+class _StreamState:
+    """What AsyncStream and Stream (its sync twin) keep for a resume, and their shared steps."""
+
+    def __init__(
+        self,
+        stub,
+        voice,
+        audio_format,
+        request_id,
+        schedule,
+        timeout,
+        metadata,
+        max_message_mb,
+        sample_rate,
+        stubs,
+        resume_attempts,
+        resume_within_s,
+        on_move,
+    ):
+        self._out = _Outgoing(voice, max_message_mb)
+        can_resume = _can_resume(audio_format, sample_rate)
+        # the resumed stream must carry the same id; the gateway would make a new one
+        request_id = request_id or (uuid.uuid4().hex if can_resume else "")
+        self._config = self._out.config(
+            _config(voice, audio_format, request_id, schedule, sample_rate)
+        )
+        self._stubs = stubs or [stub]
+        self._target = self._stubs.index(stub) if stub in self._stubs else 0
+        self._resume_attempts = resume_attempts if can_resume else 0
+        self._resume_within_s = resume_within_s
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._metadata = metadata
+        self._sent: list[gateway_pb2.SynthesizeRequest] = []  # every token message, for a resume
+        self._ended = False
+        self._cancelled = False
+        self._received = 0  # samples the user has been given
+        self.num_resumes = 0
+        self._on_move = on_move  # told the target index a stream resumed on
+
+    def _call_timeout(self) -> float | None:
+        """What is left of the stream's deadline, for a call opened now."""
+        return None if self._deadline is None else max(0.001, self._deadline - time.monotonic())
+
+    def _move_on(self) -> gateway_pb2.SynthesizeRequest:
+        """Count a resume, take the next target, and give the config the resumed call opens
+        with."""
+        self.num_resumes += 1
+        self._target = (self._target + 1) % len(self._stubs)
+        if self._on_move is not None:
+            self._on_move(self._target)
+        return _resume_config(self._config, self._received)
+
+
+class AsyncStream(_StreamState):
     """One Synthesize stream. Send tokens as they come, then `end()`; iterate the audio.
 
     Resume: when its gateway goes away (UNAVAILABLE, or the transport breaks), the stream opens
@@ -361,25 +414,21 @@ class AsyncStream:
         resume_within_s=30.0,
         on_move=None,
     ):
-        self._out = _Outgoing(voice, max_message_mb)
-        can_resume = _can_resume(audio_format, sample_rate)
-        # the resumed stream must carry the same id; the gateway would make a new one
-        request_id = request_id or (uuid.uuid4().hex if can_resume else "")
-        self._config = self._out.config(
-            _config(voice, audio_format, request_id, schedule, sample_rate)
+        super().__init__(
+            stub,
+            voice,
+            audio_format,
+            request_id,
+            schedule,
+            timeout,
+            metadata,
+            max_message_mb,
+            sample_rate,
+            stubs,
+            resume_attempts,
+            resume_within_s,
+            on_move,
         )
-        self._stubs = stubs or [stub]
-        self._target = self._stubs.index(stub) if stub in self._stubs else 0
-        self._resume_attempts = resume_attempts if can_resume else 0
-        self._resume_within_s = resume_within_s
-        self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._metadata = metadata
-        self._sent: list[gateway_pb2.SynthesizeRequest] = []  # every token message, for a resume
-        self._ended = False
-        self._cancelled = False
-        self._received = 0  # samples the user has been given
-        self.num_resumes = 0
-        self._on_move = on_move  # told the target index a stream resumed on
         self._open(self._config)
 
     def _open(self, config: gateway_pb2.SynthesizeRequest) -> None:
@@ -389,12 +438,10 @@ class AsyncStream:
         if self._ended:
             self._requests.put_nowait(_END)
             self._requests.put_nowait(None)
-        timeout = None
-        if self._deadline is not None:
-            timeout = max(0.001, self._deadline - time.monotonic())
-        stub = self._stubs[self._target]
-        self._call = stub.Synthesize(
-            self._iter_requests(self._requests), timeout=timeout, metadata=self._metadata
+        self._call = self._stubs[self._target].Synthesize(
+            self._iter_requests(self._requests),
+            timeout=self._call_timeout(),
+            metadata=self._metadata,
         )
 
     @staticmethod
@@ -441,11 +488,7 @@ class AsyncStream:
             await asyncio.sleep(_resume_pause(self.num_resumes))
             if self._cancelled:  # by the user during the pause
                 raise lost
-            self.num_resumes += 1
-            self._target = (self._target + 1) % len(self._stubs)
-            if self._on_move is not None:
-                self._on_move(self._target)
-            self._open(_resume_config(self._config, self._received))
+            self._open(self._move_on())
 
 
 _END = gateway_pb2.SynthesizeRequest(end=gateway_pb2.EndOfInput())
@@ -578,7 +621,7 @@ class AsyncClient:
         )
 
 
-class Stream:
+class Stream(_StreamState):
     """The synchronous twin of AsyncStream, resume included (gRPC reads the request queue on
     its own thread)."""
 
@@ -598,25 +641,22 @@ class Stream:
         resume_within_s=30.0,
         on_move=None,
     ):
-        self._out = _Outgoing(voice, max_message_mb)
-        can_resume = _can_resume(audio_format, sample_rate)
-        request_id = request_id or (uuid.uuid4().hex if can_resume else "")
-        self._config = self._out.config(
-            _config(voice, audio_format, request_id, schedule, sample_rate)
+        super().__init__(
+            stub,
+            voice,
+            audio_format,
+            request_id,
+            schedule,
+            timeout,
+            metadata,
+            max_message_mb,
+            sample_rate,
+            stubs,
+            resume_attempts,
+            resume_within_s,
+            on_move,
         )
-        self._stubs = stubs or [stub]
-        self._target = self._stubs.index(stub) if stub in self._stubs else 0
-        self._resume_attempts = resume_attempts if can_resume else 0
-        self._resume_within_s = resume_within_s
-        self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._metadata = metadata
         self._lock = threading.Lock()  # send() from one thread, a resume on the iterating one
-        self._sent: list[gateway_pb2.SynthesizeRequest] = []
-        self._ended = False
-        self._cancelled = False
-        self._received = 0
-        self.num_resumes = 0
-        self._on_move = on_move
         self._requests: queue.Queue = queue.Queue()
         self._open(self._config)
 
@@ -629,11 +669,10 @@ class Stream:
             if self._ended:
                 self._requests.put(_END)
                 self._requests.put(None)
-            timeout = None
-            if self._deadline is not None:
-                timeout = max(0.001, self._deadline - time.monotonic())
             self._call = self._stubs[self._target].Synthesize(
-                iter(self._requests.get, None), timeout=timeout, metadata=self._metadata
+                iter(self._requests.get, None),
+                timeout=self._call_timeout(),
+                metadata=self._metadata,
             )
 
     def send(self, tokens: Iterable[int]) -> None:
@@ -676,11 +715,7 @@ class Stream:
             time.sleep(_resume_pause(self.num_resumes))
             if self._cancelled:  # by the user during the pause
                 raise lost
-            self.num_resumes += 1
-            self._target = (self._target + 1) % len(self._stubs)
-            if self._on_move is not None:
-                self._on_move(self._target)
-            self._open(_resume_config(self._config, self._received))
+            self._open(self._move_on())
 
 
 class Client:
