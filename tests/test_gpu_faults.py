@@ -11,6 +11,7 @@ injector installed on the runners (tests only):
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import grpc
 import numpy as np
@@ -23,6 +24,7 @@ from prometheus_client import REGISTRY
 from flow_service.model import FlowRequest, Voice, load_flow
 from flow_service.service import FlowService
 from gateway.client import AsyncClient
+from gateway.routing import rendezvous
 from token2wav import SAMPLES_PER_TOKEN
 from token2wav.errors import ResourceExhausted, Unavailable
 from token2wav.faults import (
@@ -182,16 +184,21 @@ async def test_gateway_failover_carries_streams_off_a_replica_that_lost_its_gpu(
     broken.exit = exits.append
     broken.service.engine.runner.faults = FaultInjector(lambda rows: injected_device_error())
     voice, tokens = stream_inputs(60, 10, 60)
+    # Request ids whose rendezvous replica is the broken one, so their calls must fail over
+    # (with random ids, all three streams miss it one run in eight).
+    addrs = [f"127.0.0.1:{port}" for port in stack.flow_ports]
+    ids = (f"lost-{i}" for i in itertools.count())
+    lost = list(itertools.islice((k for k in ids if rendezvous(k, addrs) == addrs[0]), 3))
     try:
         async with AsyncClient(stack.target) as client:
 
-            async def one():
-                stream = client.stream(voice, audio_format="float32")
+            async def one(request_id=""):
+                stream = client.stream(voice, audio_format="float32", request_id=request_id)
                 await stream.send(tokens)
                 await stream.end()
                 return np.concatenate([c.samples async for c in stream])
 
-            outs = await asyncio.gather(*(one() for _ in range(3)))
+            outs = await asyncio.gather(*(one(k) for k in lost))
             await until(lambda: exits, what="the broken replica never exited")
             assert exits == [EXIT_DEVICE_LOST]
             after = await one()  # the healthy replica alone
