@@ -1,14 +1,17 @@
-"""Time the flow's calls of a 10 s utterance three ways, batch by batch: eagerly without and
-with the prefix cache, and through the runner's CUDA graphs (which pad and skip the cache).
+"""Time the flow's calls of a 10 s utterance four ways, batch by batch: eagerly without and
+with the prefix cache, and through the runner's CUDA graphs without and with the cache.
 
     python -m bench profile-prefix --dtype bfloat16 --batch 8,32,64   # one CUDA GPU
+    python -m bench profile-prefix --dtype bfloat16 --schedule blocks  # 25-token block calls
     python -m bench profile-prefix --device cpu --preset small --batch 2 --dtype float32
 
-B streams (each its own voice, 3 s prompt) run the gateway's four calls of a 10 s utterance
-(200, 300 and 500 DiT frames, their 3 lookahead tokens context only, then the final 650) as four
-batches of B rows: through `FlowModel.generate` without a cache, with a fresh prefix cache (call 0
-stores its blocks, calls 1 and 2 read them; the final call recomputes), and on CUDA through a
-`FlowRunner` replaying graphs (rows padded to `graph_rows`, frames to a multiple of 100).
+B streams (each its own voice, 3 s prompt) run the gateway's calls of a 10 s utterance (upstream's
+schedule: 200, 300 and 500 DiT frames, their 3 lookahead tokens context only, then the final 650;
+`--schedule blocks`: one call per 25-token block) as one batch of B rows per call index: through
+`FlowModel.generate` without a cache, with a fresh prefix cache (each call stores its blocks, the
+later ones read them; the final call recomputes), and on CUDA through a `FlowRunner` replaying
+graphs (rows padded to `graph_rows`, frames to a multiple of 100), without a cache (every call
+recomputes its prefix) and with one (the prefix graphs: queries over the cached prefix).
 Each configuration runs twice; the second, CUDA-synchronised, is timed. With --profile, the
 torch profiler's operator table of the cached call 1 batch of the largest B is printed too.
 The table says where a batch should stop replaying graphs (`--graph-max-frames`).
@@ -27,18 +30,20 @@ from bench.args import add_model_args
 from bench.flow_model_gpu import make_voice
 from flow_service.model import DiTKernels, FlowRequest, PrefixCache, load_flow
 from flow_service.runner import FlowRunner
-from gateway.schedule import ChunkPlanner
+from gateway.schedule import ChunkPlanner, ScheduleConfig
 from token2wav.dtypes import DTYPES
 
 PROMPT_TOKENS = 75
 UTTERANCE_TOKENS = 250
 
 
-def calls_of(stream: int, num_calls: int) -> list[FlowRequest]:
+def calls_of(
+    stream: int, num_calls: int, schedule: ScheduleConfig = ScheduleConfig()
+) -> list[FlowRequest]:
     v = make_voice(torch.Generator().manual_seed(stream), PROMPT_TOKENS)
     g = torch.Generator().manual_seed(10_000 + stream)
     tokens = torch.randint(0, 6561, (UTTERANCE_TOKENS,), generator=g)
-    planner = ChunkPlanner(PROMPT_TOKENS)
+    planner = ChunkPlanner(PROMPT_TOKENS, schedule)
     out = []
     while len(out) < num_calls and (c := planner.next_call(UTTERANCE_TOKENS, True)) is not None:
         out.append(
@@ -54,20 +59,11 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run(model, streams, cache_mb: int, device: str, prof_call: int = -1, runner=None):
-    """ms per call batch (every call of every stream, one batch per call index)."""
-    cache = None
-    if runner is not None:
-        generate = runner.generate
-    else:
-
-        def generate(batch):
-            return model.generate(batch, to_cpu=False, prefix_cache=cache)
-
-    if cache_mb:
-        probe = PrefixCache.for_model(model, 0)
-        cache = PrefixCache.for_model(model, cache_mb << 20, share_voice_blocks=False)
-        assert cache.capacity > 0, f"{cache_mb} MiB holds no block of {probe.block_bytes} B"
+def run(streams, generate, cache, device: str, prof_call: int = -1):
+    """ms per call batch (every call of every stream, one batch per call index), from an
+    empty cache."""
+    if cache is not None:
+        cache.clear()
     times, table = [], None
     for k in range(len(streams[0])):
         batch = [s[k] for s in streams]
@@ -96,6 +92,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache-mb", type=int, default=40000, help="prefix cache budget")
     p.add_argument("--profile", action="store_true", help="operator table of cached call 1")
     p.add_argument(
+        "--schedule",
+        choices=("upstream", "blocks"),
+        default="upstream",
+        help="the calls: upstream's chunks (hops 25/50/100 tokens) or one per 25-token block",
+    )
+    p.add_argument(
         "--fused-norms",
         type=lambda v: v.lower() in ("1", "true", "yes", "on"),
         default=True,
@@ -110,22 +112,42 @@ def main(argv: list[str] | None = None) -> None:
         None, device=a.device, dtype=DTYPES[a.dtype], preset=a.preset, kernels=kernels
     )
     sizes = [int(x) for x in a.batch.split(",")]
-    runner = FlowRunner(model, graph_max_batch=max(sizes)) if cuda else None
+    schedule = ScheduleConfig.blocks() if a.schedule == "blocks" else ScheduleConfig()
+    streams_of = {b: [calls_of(i, 99, schedule) for i in range(b)] for b in sizes}
+    frames = [c.num_seq_frames for c in streams_of[sizes[0]][0]]
     print(
-        f"{a.preset} {a.dtype} {a.device} {kernels}; ms per batch of calls 0/1/2/final "
-        "(DiT 200/300/500/650 frames; graphed: 200/300/500/700)"
+        f"{a.preset} {a.dtype} {a.device} {kernels}; ms per batch of calls of each index "
+        f"(DiT frames {'/'.join(map(str, frames))})"
     )
-    modes = [("no cache", 0, None), ("cache", a.cache_mb, None)]
-    if runner is not None:
-        modes.append(("graphed", 0, runner))
-    for b in sizes:
-        streams = [calls_of(i, 4) for i in range(b)]
-        for label, mb, run_by in modes:
-            run(
-                model, streams, mb, a.device, runner=run_by
-            )  # first run: allocator, kernels, graphs
+
+    def make(mb: int, graphs: bool):
+        cache = None
+        if mb:
+            cache = PrefixCache.for_model(model, mb << 20, share_voice_blocks=False)
+            assert cache.capacity > 0, f"{mb} MiB holds no block of {cache.block_bytes} B"
+        if graphs:
+            runner = FlowRunner(model, prefix_cache=cache, graph_max_batch=max(sizes))
+            return runner.generate, cache
+
+        def generate(batch):
+            return model.generate(batch, to_cpu=False, prefix_cache=cache)
+
+        return generate, cache
+
+    modes = [("no cache", 0, False), ("cache", a.cache_mb, False)]
+    if cuda:
+        modes += [("graphed", 0, True), ("graphs+cache", a.cache_mb, True)]
+    for label, mb, graphs in modes:
+        generate, cache = make(mb, graphs)
+        for b in sizes:
+            streams = streams_of[b]
+            run(streams, generate, cache, a.device)  # first run: allocator, kernels, graphs
             prof = 1 if a.profile and b == sizes[-1] and mb else -1
-            times, table = run(model, streams, mb, a.device, prof, runner=run_by)
-            print(f"B={b:3d} {label:9s} " + " / ".join(f"{x:7.1f}" for x in times), flush=True)
+            times, table = run(streams, generate, cache, a.device, prof)
+            print(f"B={b:3d} {label:12s} " + " / ".join(f"{x:6.1f}" for x in times), flush=True)
+            print(f"B={b:3d} {label:12s} total {sum(times):7.1f} ms", flush=True)
             if table:
                 print(table, flush=True)
+        del generate, cache
+        if cuda:
+            torch.cuda.empty_cache()

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from flow_service.model import FlowModel, FlowRequest, PrefixCache
+from flow_service.model.prefix_cache import PrefixPlan, PrefixStep
 from flow_service.warmup import warmup_batch
 from token2wav.faults import FaultInjector
 
@@ -72,6 +73,10 @@ class BetweenSteps:
 
 
 GRAPH_ROW_STEP = 8
+# A graphed prefix solve pads each row's cached prefix to a multiple of this many frames (4
+# blocks), so a few graphs per row bucket cover the prefixes of 30 s streams; the padding is
+# masked keys, cheap next to the queries' own compute.
+GRAPH_PREFIX_MULTIPLE = 200
 
 
 def graph_rows(num_rows: int) -> int:
@@ -103,8 +108,8 @@ class FlowRunner:
         graph_max_frames: int = 0,
     ):
         self.model = model
-        # Keys/values of streams' complete earlier blocks (eager batches only: a graph's shapes
-        # are fixed, so a graphed batch recomputes its prefix).
+        # Keys/values of streams' complete earlier blocks: a later call of a stream computes
+        # only its new frames, eagerly or through the prefix graphs.
         self.prefix_cache = prefix_cache
         self.device = next(model.parameters()).device
         # One worker: batches run one after another, while the event loop keeps accepting calls.
@@ -116,10 +121,16 @@ class FlowRunner:
         # launch-bound well past 8 rows at first-chunk lengths, hence graphs up to
         # --graph-max-batch rows (the timings: docs/DESIGN.md "Prefix cache").
         self.graphs = None
+        self.prefix_graphs = None  # graphs of PrefixStep: rows x queries over a cached prefix
         if cuda_graphs and self.stream is not None:
             from flow_service.model import GraphedEstimator
 
             self.graphs = GraphedEstimator(model.decoder.estimator, max_graphs=128)
+            if prefix_cache is not None:
+                step = PrefixStep(model.decoder.estimator, prefix_cache)
+                self.prefix_graphs = GraphedEstimator(
+                    step, max_graphs=128, always_copy=PrefixStep.ALWAYS_COPY, share=self.graphs
+                )
         self.graph_max_batch = graph_max_batch
         self.graph_frame_multiple = graph_frame_multiple
         # Past this much work (rows x longest sequence, in frames; 0 = no bound) a batch is
@@ -131,9 +142,19 @@ class FlowRunner:
         self._nested_s = 0.0  # runner thread only: time spent in urgent batches
         self.faults: FaultInjector | None = None  # tests only: errors raised before a batch
 
-    def graphed(self, requests: list[FlowRequest]) -> bool:
-        """Whether this batch replays CUDA graphs (else it runs eagerly, with the cache)."""
-        longest = max(req.num_seq_frames for req in requests)
+    def graphed(self, requests: list[FlowRequest], plan: PrefixPlan | None = None) -> bool:
+        """Whether this batch replays CUDA graphs (else it runs eagerly). Its work per row is
+        the frames it computes, plus half its cached prefix when `plan` reads one: a prefix
+        graph moves each cached frame's keys/values twice per layer where the eager solve
+        moves them once, and with that weight the bound falls where the two measured alike
+        (docs/BENCHMARKS.md "Graphs over the prefix cache")."""
+        if plan is None or self.prefix_graphs is None:
+            longest = max(req.num_seq_frames for req in requests)
+        else:
+            longest = max(
+                req.num_seq_frames - row.prefix // 2
+                for req, row in zip(requests, plan.rows, strict=True)
+            )
         return self.graphs is not None and graph_fits(
             len(requests), longest, self.graph_max_batch, self.graph_max_frames
         )
@@ -143,8 +164,29 @@ class FlowRunner:
         loop = asyncio.get_running_loop()
         for batch in [requests, *self.graph_warmup_requests()]:
             await loop.run_in_executor(self.executor, self.generate, batch)
+        if self.prefix_graphs is not None:
+            await loop.run_in_executor(self.executor, self.capture_prefix_graphs)
         if self.graphs is not None:
-            logger.info("captured %d CUDA graphs", len(self.graphs))
+            logger.info(
+                "captured %d CUDA graphs, %d over the prefix cache",
+                len(self.graphs),
+                len(self.prefix_graphs or ()),
+            )
+
+    def capture_prefix_graphs(self, max_prefix: int = 800) -> None:
+        """Worker thread: the prefix graphs of block calls (one block of queries) for every row
+        bucket and padded prefix up to `max_prefix` frames; other shapes are captured when
+        first met."""
+        step = self.prefix_graphs.estimator
+        sizes = sorted({graph_rows(n) for n in range(1, self.graph_max_batch + 1)})
+        block = self.prefix_cache.block
+        with torch.inference_mode(), torch.cuda.stream(self.stream):
+            for rows in sizes:
+                if not graph_fits(rows, block, self.graph_max_batch, self.graph_max_frames):
+                    continue
+                for prefix in range(0, max_prefix + 1, GRAPH_PREFIX_MULTIPLE):
+                    self.prefix_graphs(*step.example_args(rows, prefix, block))
+        self.stream.synchronize()
 
     def graph_warmup_requests(self, max_frames: int = 800) -> list[list[FlowRequest]]:
         """Batches covering every graph bucket up to `max_frames`, to capture before SERVING."""
@@ -159,32 +201,51 @@ class FlowRunner:
         self.executor.shutdown(wait=True)
 
     # -- the worker thread -------------------------------------------------------------------
-    def generate(self, requests: list[FlowRequest], between_steps=None) -> list[torch.Tensor]:
+    def generate(
+        self, requests: list[FlowRequest], ask_engine: BetweenSteps | None = None
+    ) -> list[torch.Tensor]:
         cache = self.prefix_cache
         if self.stream is None:
-            return self.model.generate(requests, between_steps=between_steps, prefix_cache=cache)
+            hook = self._hook(ask_engine, sync_every_step=False)
+            return self.model.generate(requests, between_steps=hook, prefix_cache=cache)
+        self.model.validate(requests)  # before the plan pins blocks
+        plan = cache.plan(requests) if cache is not None else None
+        graphed = self.graphed(requests, plan)
+        # Eager batches (more rows than graphs take) have long steps: look at the queue when
+        # the GPU has finished each one, not when the CPU has queued it (it runs a step or more
+        # ahead), so an urgent batch starts on an idle card; the sync costs microseconds a
+        # step. Short graphed steps keep CPU/GPU overlap and sync only when an urgent batch is
+        # wanted.
+        hook = self._hook(ask_engine, sync_every_step=not graphed)
         num = len(requests)
         with torch.cuda.stream(self.stream):
-            if self.graphed(requests):
+            if graphed:
                 # Pad the batch to its row bucket with copies of a real row (rows are
                 # independent; the copies' outputs are dropped) so the graph shape repeats.
                 padded = requests + [requests[-1]] * (graph_rows(num) - num)
+                if plan is not None:
+                    plan.pad(len(padded))
                 outputs = self.model.generate(
                     padded,
                     estimator=self.graphs,
                     frame_multiple=self.graph_frame_multiple,
-                    between_steps=between_steps,
+                    between_steps=hook,
+                    prefix_cache=cache,
+                    plan=plan,
+                    prefix_step=self.prefix_graphs,
+                    prefix_multiple=GRAPH_PREFIX_MULTIPLE,
                 )[:num]
-                if cache is not None:  # graphed rows skip the cache; finished streams leave it
-                    for req in requests:
-                        if req.finalize and req.cache_key:
-                            cache.drop(req.cache_key)
             else:
                 outputs = self.model.generate(
-                    requests, between_steps=between_steps, prefix_cache=cache
+                    requests, between_steps=hook, prefix_cache=cache, plan=plan
                 )
         self.stream.synchronize()
         return outputs
+
+    def _hook(self, ask_engine: BetweenSteps | None, sync_every_step: bool):
+        if ask_engine is None:
+            return None
+        return functools.partial(self._between_steps, ask_engine, sync_every_step)
 
     def execute(
         self, requests: list[FlowRequest], between_steps: BetweenSteps | None = None
@@ -195,16 +256,7 @@ class FlowRunner:
             self.faults.check(requests)
         t0 = time.perf_counter()
         nested_before = self._nested_s
-        hook = None
-        if between_steps is not None:
-            # Eager batches (more rows than graphs take) have long steps: look at the queue
-            # when the GPU has finished each one, not when the CPU has queued it (it runs a
-            # step or more ahead), so an urgent batch starts on an idle card; the sync costs
-            # microseconds a step. Short graphed steps keep CPU/GPU overlap and sync only
-            # when an urgent batch is wanted.
-            eager = not self.graphed(requests)
-            hook = functools.partial(self._between_steps, between_steps, eager)
-        outputs = self.generate(requests, between_steps=hook)
+        outputs = self.generate(requests, between_steps)
         wall = time.perf_counter() - t0
         return outputs, wall, wall - (self._nested_s - nested_before)
 

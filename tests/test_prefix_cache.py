@@ -287,45 +287,77 @@ def test_engine_runs_a_streams_chunks_in_order_so_they_hit(model):
     assert unordered["reused_frames"] < ordered["reused_frames"]
 
 
-def test_blocks_spread_over_several_slabs(model, monkeypatch):
-    """Each slab a batch touches is gathered apart: a stream whose blocks lie in several slabs
-    (and a batch of two such streams) still gets the recomputed mel."""
-    import flow_service.model.prefix_cache as pc
+@pytest.mark.parametrize("prefix_multiple", [50, 200])
+def test_indexed_solve_equals_the_assembled_one(model, prefix_multiple):
+    """The graphs' layout (`PrefixStep`: K/V moved by index, [padded prefix | queries], the
+    zero and trash blocks), run eagerly here, gives the mel of the eager `_KVAssembler` solve
+    and of recomputation, and the cache the same entries: uniform batches of one call index,
+    a batch mixing a hit, a first chunk and a final call, and one row twice."""
+    from flow_service.model.prefix_cache import PrefixStep
 
-    probe = PrefixCache.for_model(model, 0)
-    monkeypatch.setattr(pc, "SLAB_BYTES", 2 * probe.block_bytes)
-    cache = new_cache(model, budget_blocks=40, share_voice_blocks=False)
-    assert cache.slab_blocks == 2 and len(cache._slabs) == 20
-    s1 = stream_calls(make_voice(16, 35), "p1", 230, seed=90)
-    s2 = stream_calls(make_voice(17, 13), "p2", 230, seed=91)
+    streams = [stream_calls(make_voice(50 + i, 35), f"x{i}", 230, seed=130 + i) for i in range(3)]
+    batches = [[s[k] for s in streams] for k in range(3)]
+    batches.append([streams[0][3], streams[1][0], streams[2][-2]])
+    batches.append([streams[1][1], streams[1][1]])
+    assembled, indexed = new_cache(model), new_cache(model)
+    step = PrefixStep(model.decoder.estimator, indexed)
+    for batch in batches:
+        want = model.generate(batch, prefix_cache=assembled)
+        got = model.generate(
+            batch, prefix_cache=indexed, prefix_step=step, prefix_multiple=prefix_multiple
+        )
+        assert_close(got, want)
+        assert_close(got, reference(model, batch))
+    assert indexed.stats == assembled.stats and indexed.stats["hits"] >= 6
+    assert indexed.used_blocks == assembled.used_blocks
+    # the zero block stayed zero: stores of nothing went to the trash block
+    assert not indexed.pool()[:, :, :, indexed.zero_block].any()
+
+
+def test_padded_rows_read_their_model_row_and_store_nothing(model):
+    """A graphed batch is padded with copies of its last request, and the plan with copies
+    of its last row (`PrefixPlan.pad`): the real rows' mel is unchanged, the copies pin what
+    they read and release it, and the cache ends as it would without them."""
+    from flow_service.model.prefix_cache import PrefixStep
+
+    a = stream_calls(make_voice(60, 35), "pa", 230, seed=140)
+    b = stream_calls(make_voice(61, 13), "pb", 230, seed=141)
+    plain, padded = new_cache(model), new_cache(model)
+    step = PrefixStep(model.decoder.estimator, padded)
     for k in range(3):
-        got = model.generate([s1[k], s2[k]], prefix_cache=cache)
-        assert_close(got, reference(model, [s1[k], s2[k]]))
-    assert cache.stats["hits"] == 4
-    assert sum(s is not None for s in cache._slabs) >= 4
+        batch = [a[k], b[k]]
+        want = model.generate(batch, prefix_cache=plain)
+        plan = padded.plan(batch)
+        plan.pad(4)
+        assert len(plan.rows) == 4 and plan.rows[3].read == plan.rows[1].read
+        assert not plan.rows[3].new and plan.rows[3].key is None
+        got = model.generate(batch + [b[k]] * 2, prefix_cache=padded, plan=plan, prefix_step=step)
+        assert_close(got[:2], want)
+        assert_close(got[2:], want[1:] * 2)
+    assert padded.stats == plain.stats
+    assert padded.used_blocks == plain.used_blocks
+    assert any(padded._refs)  # the entries still hold their blocks
+    padded.clear()
+    assert padded.used_blocks == 0 and not any(padded._refs)
 
 
 @pytest.mark.parametrize(
-    "sliced, slices, layers, slab_blocks",
+    "sliced, slices, layers",
     [
-        (True, True, 3, None),
-        pytest.param(True, True, 1, 2, marks=pytest.mark.slow),
-        pytest.param(True, False, 2, 3, marks=pytest.mark.slow),
-        (False, True, 2, None),
-        pytest.param(False, False, 1, 2, marks=pytest.mark.slow),
+        (True, True, 3),
+        pytest.param(True, True, 1, marks=pytest.mark.slow),
+        pytest.param(True, False, 2, marks=pytest.mark.slow),
+        (False, True, 2),
+        pytest.param(False, False, 1, marks=pytest.mark.slow),
     ],
 )
-def test_kv_assembly_paths_agree(model, monkeypatch, sliced, slices, layers, slab_blocks):
+def test_kv_assembly_paths_agree(model, monkeypatch, sliced, slices, layers):
     """Every way the solve assembles keys/values gives the same bits: new frames by a slice
     copy per run of rows sharing prefix and query count, or by index copy; pool <-> buffer moves as
-    strided copies (evenly spaced block ids) or index_select / index_copy_, per run of rows in
-    one slab (slabs of 2 or 3 blocks split the runs); the buffer holding all 3 layers of the
-    small preset, or groups of 1 or 2 (the last group shorter)."""
+    strided copies (evenly spaced block ids) or index_select / index_copy_, per run of rows;
+    the buffer holding all 3 layers of the small preset, or groups of 1 or 2 (the last group
+    shorter)."""
     import flow_service.model.prefix_cache as pc
-
-    if slab_blocks:
-        probe = PrefixCache.for_model(model, 0)
-        monkeypatch.setattr(pc, "SLAB_BYTES", slab_blocks * probe.block_bytes)
 
     made = []
     init = pc._KVAssembler.__init__
@@ -362,7 +394,7 @@ def test_kv_assembly_paths_agree(model, monkeypatch, sliced, slices, layers, sla
     assert [a.sliced for a in made] == [sliced] * 3 + [False, sliced]
     assert [len(a.runs) for a in made if a.sliced] == ([1, 1, 1, 2] if sliced else [])
     moves = [m for a in made for m in a.reads + a.stores]
-    assert moves and any(isinstance(sel, slice) for _, sel, _ in moves) == slices
+    assert moves and any(isinstance(sel, slice) for sel, _ in moves) == slices
 
 
 def test_a_rows_store_never_evicts_what_a_later_row_of_the_batch_reads(model):
@@ -438,35 +470,61 @@ def test_runner_graphs_small_work_and_runs_large_work_eagerly_with_the_cache(mod
             assert runner.graphed(batch) == want, (n, c.num_seq_frames, sizes)
     runner.graph_max_frames = 0
     assert runner.graphed([calls[-1]] * 4) and not runner.graphed([calls[-1]] * 5)
+    # with the cache's plan, the work is what the rows compute after their cached prefix
+    runner.prefix_graphs = object()
+    cache = new_cache(model)
+    model.generate(calls[:1], prefix_cache=cache)
+    batch = [calls[1]] * 4
+    plan = cache.plan(batch)
+    assert plan.rows[0].prefix > 0
+    runner.graph_max_frames = 4 * (calls[1].num_seq_frames - plan.rows[0].prefix // 2)
+    assert runner.graphed(batch, plan) and not runner.graphed(batch)
+    runner.graph_max_frames -= 1
+    assert not runner.graphed(batch, plan)
+    cache.release(plan)
     runner.executor.shutdown()
 
 
 @pytest.mark.gpu
-def test_gpu_runner_eager_with_the_cache_equals_graph_replays(monkeypatch):
-    """Before/after for --graph-max-frames: the same calls, batched two streams at a time,
-    once all graphed (recomputing the prefix, padded) and once all eager with the prefix cache:
-    fp32 mel within 1e-5 of each other (TF32 off), and the eager run hit the cache."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_runner_graphs_over_the_cache(monkeypatch, dtype):
+    """Before/after for graphs over the prefix cache: the same calls of three streams, batched
+    together (3 rows, padded to 4), through graphs without the cache (every call recomputes its
+    prefix), eagerly with the cache, and through the prefix graphs. fp32 (TF32 off): all
+    within 1e-5 of each other. bf16: the prefix graphs as close to the fp32 run as bf16 graphs
+    without the cache are."""
     from flow_service.runner import FlowRunner
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.set_float32_matmul_precision("highest")
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    m = load_flow(None, preset="cosyvoice3-0.5b", device="cuda", dtype=torch.float32, seed=0)
-    streams = [stream_calls(make_voice(20 + i, 75), f"g{i}", 300, seed=70 + i)[:-1] for i in (0, 1)]
+    m = load_flow(None, preset="cosyvoice3-0.5b", device="cuda", dtype=dtype, seed=0)
+    streams = [
+        stream_calls(make_voice(20 + i, 75), f"g{i}", 300, seed=70 + i)[:-1] for i in range(3)
+    ]
     outputs = {}
-    for bound in (0, 1):  # 0: every batch graphed; 1: every batch eager
-        cache = PrefixCache.for_model(m, 8 << 30)
+    for name, budget, bound in (("graphs", 0, 0), ("eager", 8 << 30, 1), ("both", 8 << 30, 0)):
+        cache = PrefixCache.for_model(m, budget) if budget else None
         runner = FlowRunner(m, prefix_cache=cache, graph_max_batch=8, graph_max_frames=bound)
         outs = []
         for batch in zip(*streams, strict=True):
-            assert runner.graphed(list(batch)) == (bound == 0)
             outs += [o.cpu() for o in runner.generate(list(batch))]
-        outputs[bound] = outs
-        if bound:
-            assert cache.stats["hits"] >= 4
+        outputs[name] = outs
+        if cache is not None:
+            assert cache.stats["hits"] >= 6
+        if name == "both":
+            assert len(runner.prefix_graphs) >= 2  # the later calls replayed prefix graphs
         runner.close()
         del runner, cache
         torch.cuda.empty_cache()
-    assert_close(outputs[1], outputs[0])
+    if dtype == torch.float32:
+        assert_close(outputs["eager"], outputs["graphs"])
+        assert_close(outputs["both"], outputs["graphs"])
+        torch.save(outputs["graphs"], "/tmp/prefix_graphs_fp32.pt")
+        return
+    ref32 = torch.load("/tmp/prefix_graphs_fp32.pt")  # the fp32 case runs first
+    for i, (g, w, r) in enumerate(zip(outputs["both"], outputs["graphs"], ref32, strict=True)):
+        cached, plain = float((g - r).pow(2).mean().sqrt()), float((w - r).pow(2).mean().sqrt())
+        assert cached <= 1.1 * plain, f"output {i}: bf16 cached {cached:.3g} vs {plain:.3g} rms"
 
 
 def test_graph_max_frames_flag():

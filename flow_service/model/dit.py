@@ -89,8 +89,16 @@ def ragged_attention_bias(
         # A row of length 0 would leave its queries no key (NaN); give it key 0, never read.
         lens = seq_lens.clamp(min=1)
         allowed = allowed & (keys[None, None, :] < lens[:, None, None])
+    return bias_from_allowed(allowed, dtype)
+
+
+def bias_from_allowed(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(r, q, k) bool -> the additive bias (r, 1, q, k): 0 where allowed, -inf elsewhere."""
+    num_rows, num_queries, num_keys = allowed.shape
     width = -(-num_keys // BIAS_ALIGN) * BIAS_ALIGN
-    bias = torch.full((num_rows, 1, num_queries, width), float("-inf"), dtype=dtype, device=device)
+    bias = torch.full(
+        (num_rows, 1, num_queries, width), float("-inf"), dtype=dtype, device=allowed.device
+    )
     bias = bias[..., :num_keys]  # aligned row stride: SDPA uses it without a padded copy
     return bias.masked_fill_(allowed[:, None], 0.0)
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from flow_service.model.config import MEL_BINS, NOISE_SEED, FlowConfig
 from flow_service.model.dit import DiT
-from flow_service.model.prefix_cache import PrefixCache, solve_with_prefix
+from flow_service.model.prefix_cache import PrefixCache, PrefixPlan, solve_with_prefix
 from flow_service.model.requests import FlowRequest, validate_request
 from token2wav.invalid import InvalidInput
 
@@ -300,6 +300,9 @@ class FlowModel(nn.Module):
         mask_padding: bool = True,
         between_steps: Callable[[], None] | None = None,
         prefix_cache: PrefixCache | None = None,
+        plan: PrefixPlan | None = None,
+        prefix_step: Estimator | None = None,
+        prefix_multiple: int = 0,
     ) -> list[torch.Tensor]:
         """New mel (80, frames) fp32 per request, in request order, from ONE solver pass.
 
@@ -308,19 +311,30 @@ class FlowModel(nn.Module):
         is a fault injection for tests only. `between_steps` runs between solver steps (it may
         itself call `generate`, on the same thread). With `prefix_cache`, streaming rows take
         the keys/values of their stream's complete earlier blocks from it and compute only
-        their new frames (the same mel within rounding); the DiT then runs eagerly (no
-        `estimator`). Call from one thread at a time."""
+        their new frames (the same mel within rounding): eagerly, or through `prefix_step` (a
+        `PrefixStep` or its `GraphedEstimator`, prefixes padded to `prefix_multiple` frames).
+        `plan` is the cache's plan for these requests when the caller made it already (the
+        runner picks graphs by the work left after the cached prefixes). Call from one thread
+        at a time."""
         if not requests:
             return []
-        batch = self.prepare(requests, frame_multiple)
-        plan = prefix_cache.plan(requests) if prefix_cache is not None else None
+        try:
+            batch = self.prepare(requests, frame_multiple)
+        except BaseException:
+            if plan is not None:
+                prefix_cache.release(plan)
+            raise
+        if plan is None and prefix_cache is not None:
+            plan = prefix_cache.plan(requests)
         if plan is None or not plan.active:
             mel = self.solve_batch(batch, estimator, mask_padding, between_steps)
             if plan is not None:
                 prefix_cache.commit(plan, [None] * len(requests))  # drops finished streams
             return self.scatter(batch, mel, to_cpu)
         try:
-            mel, new_x = solve_with_prefix(self, batch, plan, mask_padding, between_steps)
+            mel, new_x = solve_with_prefix(
+                self, batch, plan, mask_padding, between_steps, prefix_step, prefix_multiple
+            )
         except BaseException:
             prefix_cache.release(plan)
             raise

@@ -1,13 +1,14 @@
-"""CUDA-graph replay of the DiT estimator, one graph per (rows, frames, dtype) shape.
+"""CUDA-graph replay of the DiT estimator (or of a `PrefixStep`), one graph per input shape.
 
 A plain object, not an nn.Module: it owns device buffers (static inputs, graph memory pool) the
 way a runner does, and the model stays stateless. Pass it as `estimator=` to
 `FlowModel.generate` (use `frame_multiple` there to bucket lengths so graphs are reused).
 
 Contract: the returned tensor is a static buffer, overwritten by the next replay; the solver
-consumes it before calling again. x and t are copied on every call; the other inputs (mu,
-cond, speaker, masks (a dense bias): constant over the 10 steps) only when they are not the very same tensor
-objects as on the previous call, so never modify those in place between calls. Another solve
+consumes it before calling again. The inputs at `always_copy` (x and tau) are copied on every
+call; the others (mu, cond, speaker, masks (a dense bias): constant over the 10 steps) only when
+they are not the very same tensor objects as on the previous call, so never modify those in
+place between calls. Another solve
 may replay an entry between two calls of a solve in progress (the engine's preemption runs an
 urgent batch between solver steps): safe because `last_sources` holds the other solve's
 tensors, so the resumed solve's inputs are all copied again, and a solve consumes the output
@@ -17,13 +18,10 @@ before its `between_steps` hook.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-
-from flow_service.model.dit import DiT
-
-_ALWAYS_COPY = (0, 4)  # x and t change every step; the rest is constant within a solve
 
 
 @dataclass
@@ -35,12 +33,23 @@ class _Entry:
 
 
 class GraphedEstimator:
-    def __init__(self, estimator: DiT, max_graphs: int = 32, warmup: int = 2):
+    def __init__(
+        self,
+        estimator: Callable[..., torch.Tensor],
+        max_graphs: int = 32,
+        warmup: int = 2,
+        always_copy: tuple[int, ...] = (0, 4),  # the DiT's x and tau change every step
+        share: GraphedEstimator | None = None,
+    ):
         self.estimator = estimator
+        self.always_copy = frozenset(always_copy)
         self.max_graphs = max_graphs
         self.warmup = warmup
         self._graphs: OrderedDict[tuple, _Entry] = OrderedDict()  # shape key -> entry
         self._pool = None
+        # Graphs of another estimator that never replays at the same time (the same runner
+        # thread and stream) may share the memory pool: the two sets then cost one.
+        self._share = share
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -49,8 +58,8 @@ class GraphedEstimator:
         self._graphs.clear()
         self._pool = None
 
-    def __call__(self, x, mu, cond, spks, t, attn_bias, frame_mask) -> torch.Tensor:
-        args = [x, mu, cond, spks, t, attn_bias, frame_mask]
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        args = list(args)
         key = tuple((tuple(a.shape), a.dtype) for a in args)
         entry = self._graphs.get(key)
         if entry is None:
@@ -58,7 +67,7 @@ class GraphedEstimator:
         else:
             self._graphs.move_to_end(key)
             for i, (src, dst) in enumerate(zip(args, entry.inputs)):
-                if i in _ALWAYS_COPY or src is not entry.last_sources[i]:
+                if i in self.always_copy or src is not entry.last_sources[i]:
                     dst.copy_(src)
         entry.last_sources = list(args)
         entry.graph.replay()
@@ -68,7 +77,10 @@ class GraphedEstimator:
         while len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)
         if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+            shared = self._share._pool if self._share is not None else None
+            self._pool = shared if shared is not None else torch.cuda.graph_pool_handle()
+            if self._share is not None and self._share._pool is None:
+                self._share._pool = self._pool
         static = [_static_copy(a) for a in args]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

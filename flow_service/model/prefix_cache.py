@@ -11,13 +11,16 @@ for its new frames. The cache is an optimisation, never a source of truth: an en
 stream, voice and solver schedule AND verified against the token ids its frames depend on, so a
 mismatch is a miss, and a miss recomputes the same mel.
 
-Storage: a pool of fixed-size blocks (one 50-frame attention block: steps x layers x {K, V} x
-{cond, uncond} x 50 x d in the compute dtype), in lazily allocated slab tensors (SLAB_BYTES
-each) within the byte budget, with per-block reference counts. Entries (LRU) list their blocks; a
-voice entry holds the blocks made only of prompt frames and shares them with the streams of
-that voice. Per entry it also keeps the Euler state x of every cached frame at every step
-(c channels, ~0.1 % of the K/V bytes): the conv position embedding of the first new frame
-reads the 60 frames before it.
+Storage: one pool tensor of fixed-size blocks (one 50-frame attention block: steps x layers x
+{K, V} x {cond, uncond} x 50 x d in the compute dtype), allocated at first use, with per-block
+reference counts. One tensor, not several, because a CUDA graph bakes in the addresses it reads
+and writes: graphed solves gather and store blocks by index into it (`IndexedKV`). Two blocks
+past the budget are never handed out: a zero block that index reads of absent prefix blocks
+take (masked keys must still be finite), and a trash block that stores of nothing go to.
+Entries (LRU) list their blocks; a voice entry holds the blocks made only of prompt frames and
+shares them with the streams of that voice. Per entry it also keeps the Euler state x of every
+cached frame at every step (c channels, ~0.1 % of the K/V bytes): the conv position embedding
+of the first new frame reads the 60 frames before it.
 
 Shapes (docs/DESIGN.md "Shape letters"): b calls, r = 2b solver rows, t frames, c mel channels,
 d DiT width; q = a row's frames after its cached prefix (its queries), padded to the longest.
@@ -40,13 +43,6 @@ from dataclasses import dataclass, field
 import torch
 
 from flow_service.model.requests import FlowRequest
-
-# Pool tensors of about this size, each (steps, layers, {K,V}, blocks, {cond,uncond}, block, d),
-# allocated when first needed (uninitialised: a block is fully written before it is read). A
-# slab boundary splits the runs of rows one copy covers (one copy per block column and run, per
-# group of layers and step), so slabs are large (a 55 GB budget is 7 of them) and free blocks are
-# handed out lowest id first (a row's blocks, and the rows of a batch, get consecutive ids).
-SLAB_BYTES = 8 << 30
 
 
 def voice_fingerprint(req: FlowRequest) -> bytes:
@@ -98,6 +94,19 @@ class PrefixPlan:
         """Whether the prefix path runs: some row reads or writes cached blocks."""
         return any(r.prefix or r.new for r in self.rows)
 
+    def pad(self, num_rows: int) -> None:
+        """Extend to `num_rows` rows copying the last one, for a graph's row bucket (the runner
+        pads the batch with copies of its last request): the copies read what it reads (pinned
+        once more each) and store nothing."""
+        last = self.rows[-1]
+        extra = [
+            RowPlan(last.prefix, list(last.read), last.xs) for _ in range(num_rows - len(self.rows))
+        ]
+        with self.cache._lock:
+            for row in extra:
+                self.cache._incref(row.read)
+        self.rows += extra
+
 
 class PrefixCache:
     def __init__(
@@ -138,10 +147,12 @@ class PrefixCache:
         item = torch.empty((), dtype=dtype).element_size()
         self.block_bytes = num_steps * depth * 2 * 2 * block_frames * dim * item
         self.frame_x_bytes = num_steps * mel_dim * item
-        self.capacity = budget_bytes // self.block_bytes  # blocks
-        self.slab_blocks = max(1, min(self.capacity, SLAB_BYTES // self.block_bytes))
-        self._slabs: list[torch.Tensor | None] = [None] * -(-self.capacity // self.slab_blocks)
-        self._free = list(range(self.capacity))  # min-heap: fill low slabs first
+        self.capacity = budget_bytes // self.block_bytes  # blocks handed out
+        self.zero_block, self.trash_block = self.capacity, self.capacity + 1
+        self._pool: torch.Tensor | None = None
+        # min-heap, lowest id first: a row's blocks, and the rows of a batch, get consecutive
+        # ids, which the eager solve then moves with one strided copy per run
+        self._free = list(range(self.capacity))
         self._refs = [0] * self.capacity
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._lock = threading.Lock()
@@ -191,16 +202,14 @@ class PrefixCache:
         self._observe("entries", len(self._entries))
 
     # -- blocks --------------------------------------------------------------------------------
-    def slab(self, index: int) -> torch.Tensor:
-        s = self._slabs[index]
-        if s is None:
-            n = min(self.slab_blocks, self.capacity - index * self.slab_blocks)
-            shape = (self.num_steps, self.depth, 2, n, 2, self.block, self.dim)
-            s = self._slabs[index] = torch.empty(shape, dtype=self.dtype, device=self.device)
-        return s
-
-    def locate(self, block_id: int) -> tuple[int, int]:
-        return divmod(block_id, self.slab_blocks)
+    def pool(self) -> torch.Tensor:
+        """(steps, layers, {K, V}, capacity + 2 blocks, {cond, uncond}, block, d)."""
+        if self._pool is None:
+            shape = (self.num_steps, self.depth, 2, self.capacity + 2, 2, self.block, self.dim)
+            # uninitialised: a block is fully written before it is read, but for the zero block
+            self._pool = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self._pool[:, :, :, self.zero_block].zero_()
+        return self._pool
 
     def _incref(self, blocks: Sequence[int]) -> None:
         for b in blocks:
@@ -396,7 +405,7 @@ class PrefixCache:
 # -- the solve ----------------------------------------------------------------------------------
 # The keys/values one solve assembles at a time: all rows, all key frames, K and V of a group
 # of consecutive layers, (layers, {K, V}, r, t, d). The cached prefix of a whole group is
-# gathered in one pass per (block column, run of rows in one slab) and its new blocks stored
+# gathered in one pass per (block column, run of rows) and its new blocks stored
 # likewise, instead of per layer. Extra memory per batch: at most max(KV_BUFFER_BYTES, one
 # layer's K and V = 2 r t d x dtype size); e.g. 64 rows x 506 frames, bf16, d 1024: 265 MB a
 # layer, 8 layers a group (2.1 GB), where one layer (265 MB) was used before.
@@ -433,7 +442,7 @@ class _KVAssembler:
 
     Layers go in groups sharing one buffer (KV_BUFFER_BYTES). At a group's first layer, its
     cached prefix is copied from the pool for all its layers, K and V at once: one copy per
-    block column and run of consecutive rows whose blocks of that column lie in one slab (a
+    block column and run of consecutive rows (a
     strided copy when their ids are evenly spaced, as blocks allocated together are, else an
     index_select straight into the buffer). Each layer then places its new frames: one slice
     copy for K and one for V per run of neighbouring rows sharing prefix and query count (one
@@ -460,30 +469,28 @@ class _KVAssembler:
         by_row = words.unflatten(2, (2, b))  # (layers, 2, {cond, uncond}, b, t, w)
 
         def moves(placed: list[tuple[int, int, int]]) -> list[tuple]:
-            """(slab, block selector, buffer view (layers, 2, n, 2, blk, w)) per run of
-            consecutive rows with the same frame offset and slab; `placed` holds
+            """(block selector, buffer view (layers, 2, n, 2, blk, w)) per run of
+            consecutive rows with the same frame offset; `placed` holds
             (row, frame offset, block id)."""
             out, run = [], []
             for item in sorted(placed, key=lambda x: (x[1], x[0])):
-                i, f, block_id = item
+                i, f, _ = item
                 if run:
-                    i0, f0, b0 = run[-1]
-                    if i != i0 + 1 or f != f0 or cache.locate(block_id)[0] != cache.locate(b0)[0]:
+                    i0, f0, _ = run[-1]
+                    if i != i0 + 1 or f != f0:
                         out.append(run)
                         run = []
                 run.append(item)
             out += [run] if run else []
             result = []
             for run in out:
-                (i0, f, first), i1 = run[0], run[-1][0] + 1
-                local = [cache.locate(x[2])[1] for x in run]
+                (i0, f, _), i1 = run[0], run[-1][0] + 1
+                ids = [x[2] for x in run]
                 sel = (
-                    _selector(local, dev)
-                    if self.allow_slice_moves
-                    else torch.tensor(local, device=dev)
+                    _selector(ids, dev) if self.allow_slice_moves else torch.tensor(ids, device=dev)
                 )
                 view = by_row[:, :, :, i0:i1, f : f + blk].transpose(2, 3)
-                result.append((cache.locate(first)[0], sel, view))
+                result.append((sel, view))
             return result
 
         self.reads = moves(
@@ -496,7 +503,7 @@ class _KVAssembler:
                 for j, x in enumerate(row.new)
             ]
         )
-        self.pool_words: dict[int, torch.Tensor] = {}
+        self.pool_words = _words(cache.pool())
         # The new frames: query q of row r goes to key position prefix_r + q. Rows next to each
         # other with the same prefix and query count (all of them in a batch of one call index
         # of many streams) take one slice copy for both CFG halves; more than SLICE_RUNS such
@@ -536,16 +543,10 @@ class _KVAssembler:
     def layer(self, index: int) -> Callable:
         return lambda k, v: self._assemble(index, k, v)
 
-    def _pool(self, slab: int, first_layer: int, n: int) -> torch.Tensor:
-        """Slab `slab`'s blocks at the current step for n layers: (n, 2, blocks, 2, blk, w)."""
-        words = self.pool_words.get(slab)
-        if words is None:
-            words = self.pool_words[slab] = _words(self.cache.slab(slab))
-        return words[self.step, first_layer : first_layer + n]
-
     def _move(self, moves: list[tuple], first_layer: int, n: int, store: bool) -> None:
-        for slab, sel, view in moves:
-            pool = self._pool(slab, first_layer, n)
+        # the pool's blocks at the current step for n layers: (n, 2, blocks, 2, blk, w)
+        pool = self.pool_words[self.step, first_layer : first_layer + n]
+        for sel, view in moves:
             view = view if n == self.group else view[:n]
             if isinstance(sel, slice):
                 dst, src = (pool[:, :, sel], view) if store else (view, pool[:, :, sel])
@@ -594,14 +595,133 @@ class DiTPrefix:
         return self.kv.layer(index)
 
 
-def solve_with_prefix(model, batch, plan: PrefixPlan, mask_padding=True, between_steps=None):
+class IndexedKV:
+    """The attention hook of a graphed solve: the same keys/values as `_KVAssembler`, moved by
+    index tensors instead of Python-side runs, so one capture serves every batch of its shape.
+
+    Keys are laid out as [P prefix frames | Q query frames] per row, not at absolute positions:
+    column p < P is the row's cached frame p (the zero block past its prefix), column P + j its
+    query j (frame prefix + j). `window_bias` masks by that layout. The new complete blocks of
+    the query frames (Q is a whole number of blocks) go to `store_blocks` (the trash block
+    where a row stores nothing)."""
+
+    def __init__(self, pool, read_blocks, store_blocks, step_offset):
+        # pool (steps, L, 2, N, 2, blk, d) as rows of (2, blk, d): row ((s L + l) 2 + kv) N + n
+        self.num_blocks = pool.shape[3]
+        self.rows = pool.view(-1, *pool.shape[4:])
+        self.read_blocks = read_blocks  # (b, P / blk) long
+        self.store_blocks = store_blocks  # (b, Q / blk) long
+        self.step_offset = step_offset  # (1,) long: s L 2 N, the current solver step's rows
+
+    def layer(self, index: int) -> Callable:
+        return lambda k, v: self._assemble(index, k, v)
+
+    def _index(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+        kv = torch.arange(2, device=blocks.device)[:, None, None]  # K, V
+        return (self.step_offset + (2 * layer + kv) * self.num_blocks + blocks).flatten()
+
+    def _assemble(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        r, q, d = k.shape
+        b, n_p = self.read_blocks.shape
+        blk = self.rows.shape[2]
+        p = n_p * blk
+        out = k.new_empty(2, r, p + q, d)  # K, V
+        prefix = self.rows.index_select(0, self._index(layer, self.read_blocks))
+        prefix = prefix.view(2, b, n_p, 2, blk, d).permute(0, 3, 1, 2, 4, 5)  # K/V, cfg, b, ...
+        out[:, :, :p].view(2, 2, b, n_p, blk, d).copy_(prefix)
+        out[0, :, p:].copy_(k)
+        out[1, :, p:].copy_(v)
+        n_q = q // blk
+        new = out[:, :, p:].view(2, 2, b, n_q, blk, d).permute(0, 2, 3, 1, 4, 5)
+        self.rows.index_copy_(0, self._index(layer, self.store_blocks), new.reshape(-1, 2, blk, d))
+        return out[0], out[1]
+
+
+class PrefixStep:
+    """One solver step of a prefix solve in the `IndexedKV` layout, as a function of tensors
+    only (what `GraphedEstimator` captures): x, mu, cond, spks, tau, bias, frame_mask as the
+    DiT takes them over the window (context + Q frames), then keep, the rotary tables, the
+    row's read and store blocks and the step's row offset."""
+
+    ALWAYS_COPY = (0, 4, 12)  # x, tau and the step change every step
+
+    def __init__(self, dit, cache: PrefixCache):
+        self.dit = dit
+        self.cache = cache
+        self.context = 2 * (dit.cfg.conv_pos_kernel - 1)
+
+    def example_args(self, num_rows: int, prefix: int, queries: int) -> list[torch.Tensor]:
+        """Inputs of the shape a solve of `num_rows` requests, prefixes padded to `prefix`
+        frames and `queries` query frames gives, to capture its graph before serving: they read
+        the zero block and store into the trash block."""
+        cache, dit = self.cache, self.dit
+        dev, dtype = cache.device, cache.dtype
+        r, w, c = 2 * num_rows, self.context + queries, dit.cfg.mel_dim
+        window = torch.zeros(r, w, c, dtype=dtype, device=dev)
+        rows = torch.zeros(r, dtype=torch.long, device=dev)
+        bias = window_bias(rows, rows + queries, rows == 0, prefix, queries, cache.block, dtype)
+        cos, sin = dit.rotary_embed.tables_at(torch.zeros(r, queries, device=dev))
+        blocks = (prefix // cache.block, queries // cache.block)
+        return [
+            window,
+            window.clone(),
+            window.clone(),
+            torch.zeros(r, c, dtype=dtype, device=dev),
+            torch.zeros(r, device=dev),
+            bias,
+            torch.ones(r, queries, 1, dtype=dtype, device=dev),
+            torch.ones(r, w, 1, dtype=dtype, device=dev),
+            cos,
+            sin,
+            torch.full((num_rows, blocks[0]), cache.zero_block, device=dev),
+            torch.full((num_rows, blocks[1]), cache.trash_block, device=dev),
+            torch.zeros(1, dtype=torch.long, device=dev),
+        ]
+
+    def __call__(self, x, mu, cond, spks, tau, bias, frame_mask, keep, cos, sin, read, store, step):
+        kv = IndexedKV(self.cache.pool(), read, store, step)
+        ctx = DiTPrefix(self.context, keep, (cos, sin), kv)
+        return self.dit(x, mu, cond, spks, tau, bias, frame_mask, prefix=ctx)
+
+
+def window_bias(prefix, num_queries, streaming, p: int, q: int, block: int, dtype):
+    """The attention bias (r, 1, q, p + q) of the `IndexedKV` layout: prefix column c is frame c
+    and real below the row's prefix; query column p + j is frame prefix + j and real for j below
+    the row's query count; block-causal for streaming rows, as `ragged_attention_bias`."""
+    from flow_service.model.dit import bias_from_allowed
+
+    dev = prefix.device
+    cols = torch.arange(p + q, device=dev)[None]  # (1, p + q)
+    in_prefix = cols < p
+    key_pos = torch.where(in_prefix, cols, prefix[:, None] + cols - p)  # (r, p + q)
+    real = torch.where(in_prefix, cols < prefix[:, None], cols - p < num_queries[:, None])
+    query_pos = prefix[:, None] + torch.arange(q, device=dev)  # (r, q)
+    block_end = (query_pos // block + 1) * block
+    allowed = (key_pos[:, None, :] < block_end[:, :, None]) | ~streaming[:, None, None]
+    return bias_from_allowed(allowed & real[:, None, :], dtype)
+
+
+def solve_with_prefix(
+    model,
+    batch,
+    plan: PrefixPlan,
+    mask_padding=True,
+    between_steps=None,
+    step=None,
+    prefix_multiple: int = 0,
+):
     """The Euler/CFG solve of `FlowModel.solve_batch`, computing only each row's frames after
     its cached prefix. Returns (mel (b, q, c) fp32, row i's frame 0 = absolute frame
-    prefix_i; per row the (steps, q, c) solver inputs x for the blocks it stores, else None)."""
+    prefix_i; per row the (steps, q, c) solver inputs x for the blocks it stores, else None).
+
+    `step`: a `PrefixStep` (or its `GraphedEstimator`) runs each step in the `IndexedKV`
+    layout, with the prefix padded to a multiple of `prefix_multiple` frames and the queries
+    to whole blocks, so that shapes repeat; else the DiT runs eagerly with `_KVAssembler`."""
     from flow_service.model.flow import noise_buffer  # flow.py imports this module
 
     dec = model.decoder
     dit = dec.estimator
+    cache = plan.cache
     cache_ctx = 2 * (dit.cfg.conv_pos_kernel - 1)  # the conv position embedding's reach
     b, t = batch.num_rows, batch.num_frames
     dev, dtype = model.device, model.dtype
@@ -610,6 +730,12 @@ def solve_with_prefix(model, batch, plan: PrefixPlan, mask_padding=True, between
     prefix = torch.tensor([row.prefix for row in plan.rows])
     num_queries = batch.seq_lens.cpu() - prefix
     q_max = int(num_queries.max())
+    if step is not None:
+        if not mask_padding:
+            raise ValueError("mask_padding: the indexed prefix solve always masks padding")
+        q_max = -(-q_max // cache.block) * cache.block
+        p_multiple = max(prefix_multiple, cache.block)
+        p_max = -(-int(prefix.max()) // p_multiple) * p_multiple
     prefix_d = prefix.to(dev)
     window = prefix_d[:, None] - cache_ctx + torch.arange(cache_ctx + q_max, device=dev)
     gather = window.clamp(0, t - 1)[..., None].expand(-1, -1, c)
@@ -627,27 +753,53 @@ def solve_with_prefix(model, batch, plan: PrefixPlan, mask_padding=True, between
         if n:
             context_x[:, i, cache_ctx - n :] = row.xs[:, row.prefix - n : row.prefix]
     qpos2 = query_pos.repeat(2, 1)
-    bias = dit.attention_mask(
-        batch.seq_lens.repeat(2), batch.streaming.repeat(2), t, dtype, qpos2, mask_padding
-    )
     qn = num_queries.to(dev)
     frame_mask = (torch.arange(q_max, device=dev)[None] < qn[:, None]).to(dtype)
     frame_mask = frame_mask.repeat(2, 1)[..., None]  # (r, q, 1)
-    kv = _KVAssembler(plan.cache, plan, prefix, num_queries, t, dev)
-    ctx = DiTPrefix(cache_ctx, keep, dit.rotary_embed.tables_at(qpos2), kv)
+    cos, sin = dit.rotary_embed.tables_at(qpos2)
+    if step is None:
+        bias = dit.attention_mask(
+            batch.seq_lens.repeat(2), batch.streaming.repeat(2), t, dtype, qpos2, mask_padding
+        )
+        kv = _KVAssembler(cache, plan, prefix, num_queries, t, dev)
+        ctx = DiTPrefix(cache_ctx, keep, (cos, sin), kv)
+    else:
+        bias = window_bias(
+            prefix_d.repeat(2),
+            qn.repeat(2),
+            batch.streaming.repeat(2),
+            p_max,
+            q_max,
+            cache.block,
+            dtype,
+        )
+        n_p, n_q = p_max // cache.block, q_max // cache.block
+        read = torch.full((b, n_p), cache.zero_block, dtype=torch.long)
+        store = torch.full((b, n_q), cache.trash_block, dtype=torch.long)
+        for i, row in enumerate(plan.rows):
+            read[i, : len(row.read)] = torch.tensor(row.read, dtype=torch.long)
+            store[i, : len(row.new)] = torch.tensor(row.new, dtype=torch.long)
+        read, store = read.to(dev), store.to(dev)
+        step_rows = dit.cfg.depth * 2 * (cache.capacity + 2)
     mu_in = torch.cat((mu_w, torch.zeros_like(mu_w)))
     cond_in = torch.cat((cond_w, torch.zeros_like(cond_w)))
     spks_in = torch.cat((spks, torch.zeros_like(spks)))
     cfg_rate = dec.cfg_rate
     xs = []
     for k, (tau, dtau) in enumerate(dec.steps):
-        kv.step = k
         t_in = torch.full((2 * b,), tau, dtype=torch.float32, device=dev)
         x_q = x.to(dtype)
         xs.append(x_q)
         x_w = torch.cat((context_x[k], x_q), dim=1)  # (b, 60 + q, c)
         x_in = torch.cat((x_w, x_w))
-        v = dit(x_in, mu_in, cond_in, spks_in, t_in, bias, frame_mask, prefix=ctx).float()
+        if step is None:
+            kv.step = k
+            v = dit(x_in, mu_in, cond_in, spks_in, t_in, bias, frame_mask, prefix=ctx)
+        else:
+            offset = torch.full((1,), k * step_rows, dtype=torch.long, device=dev)
+            args = (keep, cos, sin, read, store, offset)
+            v = step(x_in, mu_in, cond_in, spks_in, t_in, bias, frame_mask, *args)
+        v = v.float()
         x = x + dtau * ((1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:])
         if between_steps is not None and k + 1 < steps:
             between_steps()
