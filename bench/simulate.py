@@ -58,16 +58,18 @@ import itertools
 import json
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from bench.metrics import StreamRecord, summarize
 from bench.workload import chunk_needs, poisson_arrivals
+from flow_service.core import EngineCore, Running
 from flow_service.costmodel import CostModel
 from flow_service.model.config import BLOCK_FRAMES, NUM_STEPS
 from flow_service.runner import graph_fits, graph_rows
-from flow_service.scheduler import BatchPolicy, PendingCall, Plan, Scheduler
+from flow_service.scheduler import BatchPolicy, PendingCall, Plan
 from gateway.admission import AdmissionConfig, AdmissionController, CapacityBoard, edf_lateness
 from gateway.deadlines import VOCODER_HOLDBACK_FRAMES, DeadlineConfig, PlaybackClock
 from gateway.pipeline import StreamPipeline
@@ -222,6 +224,105 @@ class _Clock:
             fn(*args)
 
 
+class SimulatedEngine:
+    """flow_service/engine.py's loop on the simulated clock: its `EngineCore` decides what
+    runs and when, as in the service. A batch takes `batch_s(plan)` seconds, `overhead_s` and
+    then NUM_STEPS equal solver steps; between two steps a batch that may give way asks the
+    core, as the runner does, and an urgent batch then runs whole. `done(plan, started, now)`
+    hears of each batch as it ends, after the core. `debt`: seconds the running batch lost to
+    other work on the GPU (the vocoder), paid before its next event."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        clock: _Clock,
+        batch_s: Callable[[Plan], float],
+        overhead_s: float = 0.0,
+        done: Callable[[Plan, float, float], None] = lambda plan, started, now: None,
+    ):
+        self.core = core
+        self.clock = clock
+        self.batch_s = batch_s
+        self.overhead_s = overhead_s
+        self.done = done
+        self.running: Plan | None = None
+        self.debt = 0.0
+        self._wake_at = math.inf
+
+    def add(self, call: PendingCall) -> None:
+        self.core.add(call)
+        self._kick()
+
+    def _kick(self) -> None:
+        if self.running is not None:
+            return
+        step = self.core.step()
+        if step.plan is not None:
+            self._start(step.plan)
+        elif step.wake_at < self._wake_at:
+            self._wake_at = step.wake_at
+            self.clock.at(step.wake_at, self._wake, step.wake_at)
+
+    def _wake(self, t: float) -> None:
+        if self._wake_at == t:
+            self._wake_at = math.inf
+        self._kick()
+
+    def _start(self, plan: Plan) -> None:
+        self.running = plan
+        now = self.clock.now
+        step = (self.batch_s(plan) - self.overhead_s) / NUM_STEPS
+        state = _Batch(plan, now, step, NUM_STEPS, self.core.begin(plan))
+        self.clock.at(now + self.overhead_s + step, self._step_done, state)
+
+    def _deferred(self, fn, *args) -> bool:
+        """An event that is due now but lost GPU time meanwhile: later."""
+        if self.debt <= 0:
+            return False
+        self.clock.at(self.clock.now + self.debt, fn, *args)
+        self.debt = 0.0
+        return True
+
+    def _step_done(self, b: _Batch) -> None:
+        if self._deferred(self._step_done, b):
+            return
+        b.steps_left -= 1
+        now = self.clock.now
+        if b.steps_left == 0:
+            self.running = None
+            self.core.finish(b.plan, now - b.started - b.nested_s)
+            self.done(b.plan, b.started, now)
+            self._kick()
+            return
+        if b.running is not None and self.core.should_yield(b.running):
+            urgent = self.core.take_urgent(b.running).plan
+            if urgent is not None:
+                self.clock.at(now + self.batch_s(urgent), self._urgent_done, urgent, now, b)
+                return
+        self.clock.at(now + b.step_s, self._step_done, b)
+
+    def _urgent_done(self, plan: Plan, started: float, b: _Batch) -> None:
+        if self._deferred(self._urgent_done, plan, started, b):
+            return
+        now = self.clock.now
+        b.nested_s += now - started
+        self.core.finish(plan, now - started)
+        self.done(plan, started, now)
+        self.clock.at(now + b.step_s, self._step_done, b)
+
+
+@dataclass(eq=False)
+class _Batch:
+    """A flow batch in progress in the simulation."""
+
+    plan: Plan
+    started: float
+    step_s: float  # simulated seconds a solver step
+    steps_left: int
+    running: Running | None  # the core's, where the batch may give way between steps
+    nested_s: float = 0.0  # urgent batches run between its steps
+
+
 class _Done:
     """A finished future, as `StreamPipeline.remaining_work` reads one."""
 
@@ -320,10 +421,11 @@ class Simulation:
         self.c = config
         self.clock = _Clock()
         self.cost = CostModel(NUM_STEPS)
-        self.sched = Scheduler(config.policy, self.cost)
+        core = EngineCore(config.policy, self.cost, config.preempt, lambda: self.clock.now)
+        self.flow = SimulatedEngine(
+            core, self.clock, self._batch_s, config.flow_cost.overhead_s, self._batch_done
+        )
         self.streams: list[_Stream] = []
-        self.running: Plan | None = None
-        self._wake_pending = math.inf
         self.voc_queue: list = []  # (due, stream, chunk, ready at the vocoder)
         self.voc_busy = False
         self._voc_wake = math.inf
@@ -336,8 +438,6 @@ class Simulation:
         self.refused = 0
         self.batches: list[dict] = []  # one line per flow batch (for post-mortems)
         self.voc_batches: list[dict] = []
-        self.num_preemptions = 0
-        self._flow_debt = 0.0  # seconds the running flow work lost to vocoder batches
         self._cache_plans: dict = {}  # id(plan) -> prefix-cache stores (None: graphed)
         self.seq_frames = 0  # flow batches' rows x sequence frames (padding excluded)
         self.computed_frames = 0  # of which computed (the prefix cache's hits excluded)
@@ -430,86 +530,11 @@ class Simulation:
             final=chunk.finalize,
             sent=sent,
         )
-        self.sched.add(call)
+        self.flow.add(call)
         if not self.c.order_streams:
             self._chain_next(s)
-        self._kick()
 
     # -- flow engine ------------------------------------------------------------------------
-    def _kick(self) -> None:
-        if self.running is not None:
-            return
-        now = self.clock.now
-        start = self.sched.ready_at(now)
-        if start > now:
-            if start < self._wake_pending:
-                self._wake_pending = start
-                self.clock.at(start, self._wake, start)
-            return
-        plan = self.sched.schedule(now=now)
-        if plan is None:
-            return
-        self._start(plan)
-
-    def _wake(self, t: float) -> None:
-        if self._wake_pending == t:
-            self._wake_pending = math.inf
-        self._kick()
-
-    def _start(self, plan: Plan) -> None:
-        self.running = plan
-        total = self._batch_s(plan)
-        preemptible = self.c.preempt and not any(
-            c.is_first_chunk and c.due == math.inf for c in plan.calls
-        )
-        step = (total - self.c.flow_cost.overhead_s) / NUM_STEPS
-        state = {
-            "plan": plan,
-            "start": self.clock.now,
-            "nested": 0.0,
-            "step": step,
-            "steps_left": NUM_STEPS,
-            "preemptible": preemptible,
-            "est_step": self.cost.step_s(len(plan.calls), plan.padded_len),
-        }
-        self.clock.at(self.clock.now + self.c.flow_cost.overhead_s + step, self._step_done, state)
-
-    def _deferred(self, fn, *args) -> bool:
-        """A flow event that is due now but lost GPU time to the vocoder meanwhile: later."""
-        if self._flow_debt <= 0:
-            return False
-        self.clock.at(self.clock.now + self._flow_debt, fn, *args)
-        self._flow_debt = 0.0
-        return True
-
-    def _step_done(self, state: dict) -> None:
-        if self._deferred(self._step_done, state):
-            return
-        state["steps_left"] -= 1
-        now = self.clock.now
-        if state["steps_left"] == 0:
-            own = now - state["start"] - state["nested"]
-            self._finish(state["plan"], state["start"], own, now)
-            self.running = None
-            self._kick()
-            return
-        if state["preemptible"]:
-            remaining = state["steps_left"] * state["est_step"]
-            running_due = min(c.due for c in state["plan"].calls)
-            if self.sched.preempt_due(now, state["est_step"], remaining, running_due):
-                plan = self.sched.schedule(
-                    now=now,
-                    urgent_slack_s=self.sched.urgent_slack(state["est_step"], remaining),
-                    due_before=running_due,
-                )
-                if plan is not None:
-                    self.num_preemptions += 1
-                    plan.urgent = True
-                    t = self._batch_s(plan)
-                    self.clock.at(now + t, self._nested_done, plan, now, state)
-                    return
-        self.clock.at(now + state["step"], self._step_done, state)
-
     def graphed(self, plan: Plan) -> bool:
         """flow_service/runner.py `FlowRunner.graphed`: graphs up to graph_rows rows and,
         with graph_max_frames, up to that many rows x longest sequence frames."""
@@ -554,17 +579,7 @@ class Simulation:
             s.cached_frames = max(s.cached_frames, end)
         return stores is None
 
-    def _nested_done(self, plan: Plan, started: float, state: dict) -> None:
-        if self._deferred(self._nested_done, plan, started, state):
-            return
-        state["nested"] += self.clock.now - started
-        self._finish(plan, started, self.clock.now - started, self.clock.now)
-        self.clock.at(self.clock.now + state["step"], self._step_done, state)
-
-    def _finish(self, plan: Plan, started: float, own_s: float, now: float) -> None:
-        self.sched.mark_busy_until(now)
-        self.sched.finished(plan.calls, now)
-        self.cost.observe(len(plan.calls), plan.padded_len, own_s)
+    def _batch_done(self, plan: Plan, started: float, now: float) -> None:
         graphed = self._commit_cache(plan)
         self.batches.append(
             {
@@ -647,8 +662,8 @@ class Simulation:
         self.voc_batches.append({"t": round(now, 4), "rows": len(batch), "s": round(t, 4)})
         for _, s, chunk, _ in batch:
             s.stages[chunk.seq].append(now)
-        if self.running is not None:
-            self._flow_debt += self.c.gpu_share * t
+        if self.flow.running is not None:
+            self.flow.debt += self.c.gpu_share * t
         self.clock.at(now + t, self._voc_done, batch, len(batch))
 
     def _voc_wakeup(self, t: float) -> None:
@@ -772,7 +787,7 @@ def _figures(sim: Simulation, recs: list[StreamRecord], window: float) -> dict:
         "excess_p99_ms": round(u["excess_buffer_ms"]["p99"], 1),
         "first_chunk_stages_ms": {k: round(st.get(f"{k}_ms", 0.0), 1) for k in keys},
         "batches": len(sim.batches),
-        "preemptions": sim.num_preemptions,
+        "preemptions": sim.flow.core.num_preemptions,
         "mean_rows": round(float(np.mean([b["rows"] for b in sim.batches])), 2),
     }
 
