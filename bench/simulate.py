@@ -208,7 +208,10 @@ class SimConfig:
     admission_rule: type[AdmissionController] = AdmissionController
 
 
-class _Clock:
+class EventClock:
+    """The simulated clock: `at(t, fn, *args)` queues an event, `run()` plays them in time
+    order (ties in the order queued)."""
+
     def __init__(self):
         self.now = 0.0
         self._events: list = []
@@ -235,7 +238,7 @@ class SimulatedEngine:
     def __init__(
         self,
         core: EngineCore,
-        clock: _Clock,
+        clock: EventClock,
         batch_s: Callable[[Plan], float],
         overhead_s: float = 0.0,
         done: Callable[[Plan, float, float], None] = lambda plan, started, now: None,
@@ -419,7 +422,7 @@ class Simulation:
 
     def __init__(self, config: SimConfig):
         self.c = config
-        self.clock = _Clock()
+        self.clock = EventClock()
         self.cost = CostModel(NUM_STEPS)
         core = EngineCore(config.policy, self.cost, config.preempt, lambda: self.clock.now)
         self.flow = SimulatedEngine(
