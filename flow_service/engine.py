@@ -109,7 +109,7 @@ class FlowEngine:
         self._stopping = True
         logger.info(
             "%d batches, %d of them urgent batches run between the steps of another",
-            self.num_batches,
+            self.core.num_batches,
             self.num_preemptions,
         )
         if self._task is not None:
@@ -209,14 +209,6 @@ class FlowEngine:
     @property
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
-
-    @property
-    def preempt(self) -> bool:
-        return self.core.preempt
-
-    @property
-    def num_batches(self) -> int:
-        return self.core.num_batches
 
     @property
     def num_preemptions(self) -> int:
@@ -341,7 +333,7 @@ class FlowEngine:
             logger.info(
                 "batch %d%s: %d reqs, T %d..%d, padded %d, efficiency %.2f, first-chunks %d, "
                 "%.1f ms",
-                self.num_batches,
+                self.core.num_batches,
                 " (urgent, between steps)" if plan.urgent else "",
                 n,
                 lengths[0],

@@ -211,6 +211,10 @@ class Scheduler:
         return min(min(c.arrival for c in self.waiting) + wait, self.latest_start())
 
     def _by_slack(self) -> bool:
+        """Whether the queue is in slack order (some waiting call has a playback deadline and
+        deadlines are on) or in the first-chunks-first order: the one for calls without a
+        deadline (clients that send no slack_ms, a gateway with --deadlines=false, this
+        service with --deadline-scheduling=false), which preempt as first chunks."""
         return (
             self.cost is not None
             and self.policy.deadline_scheduling

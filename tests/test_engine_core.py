@@ -196,7 +196,7 @@ async def served(calls: list[dict], monkeypatch) -> list[tuple]:
         """The engine waits for calls: none queued, every batch handed to the runner run
         (urgent ones are run inside others) and answered."""
         top = sum(not nested for *_, nested in runner.log)
-        done = runner.executor.submitted == top and engine.num_batches == len(runner.log)
+        done = runner.executor.submitted == top and engine.core.num_batches == len(runner.log)
         return done and not len(engine.core)
 
     async def until_idle() -> None:
