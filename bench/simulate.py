@@ -68,6 +68,7 @@ import numpy as np
 
 from bench.metrics import StreamRecord, summarize
 from bench.workload import chunk_needs, poisson_arrivals
+from flow_service.config import FlowConfig
 from flow_service.core import EngineCore, Running
 from flow_service.costmodel import CostModel
 from flow_service.model.config import BLOCK_FRAMES, NUM_STEPS
@@ -99,7 +100,7 @@ class FlowCostFit:
     solve_floor_s: float = 0.019  # per graphed solve: launches
     row_frame_s: float = 2.047e-5  # per row x frame, per solve
     row_frame2_s: float = 7.495e-9  # per row x frame^2, per solve (attention)
-    graph_rows: int = 64  # the flow's --graph-max-batch
+    graph_rows: int = FlowConfig.graph_max_batch  # the flow's --graph-max-batch
     # Eager solves (bench/profile_prefix.py on an H200, bf16, fused norms, 10 s streams' calls
     # 0/1/2/final at 16-64 rows): max(a launch-bound floor, the compute of the frames actually
     # computed). The floor is ~300 ms a solve, measured 214-406 ms where compute is small (the
@@ -208,7 +209,7 @@ class SimConfig:
     # at most graph_rows rows replays CUDA graphs only if rows x its longest sequence is at most
     # this; otherwise it runs eagerly, unpadded, with the prefix cache. 0: no bound (graphs up
     # to graph_rows rows, as before 2026-12-03's sixth run)
-    graph_max_frames: int = 12288
+    graph_max_frames: int = FlowConfig.graph_max_frames
     # the gateway's admission control (--admission...; enabled=False: every stream admitted),
     # one controller per gateway process
     admission: AdmissionConfig = AdmissionConfig()
