@@ -1,7 +1,7 @@
 """Discrete-event simulation of the stack's scheduling on a fake clock (no GPU, no sleeps).
 
-What runs for real: the flow service's `Scheduler` and `CostModel` (the batching, slack order,
-preemption decisions), its graph row buckets (`graph_rows`), the gateway's `ChunkPlanner` and
+What runs for real: the flow engine's `EngineCore` with its `Scheduler` and `CostModel` (the
+batching, slack order, preemption decisions: flow_service/core.py), its graph row buckets (`graph_rows`), the gateway's `ChunkPlanner` and
 `PlaybackClock` (chunk shapes, playback deadlines), the vocoder's graph shape buckets
 (`ShapeBuckets`), the bench's workload (`chunk_needs`, Poisson arrivals) and its metrics
 (`bench.metrics.summarize`: first-chunk latency and stages, stack-added stalls). What is
@@ -21,9 +21,10 @@ modelled:
                     (attending over the whole sequence), storing its complete blocks; graphed
                     calls store nothing, final calls recompute everything (the voice's shared
                     prompt blocks are not modelled)
-  engine            the loop of flow_service/engine.py: a batch starts when `ready_at` says so;
-                    between two solver steps of a preemptible batch, `Scheduler.preempt_due`
-                    decides whether an urgent batch (`schedule(urgent_slack_s=...)`) runs nested
+  engine            `SimulatedEngine`, the loop of flow_service/engine.py on the fake clock:
+                    it runs what the core decides, each batch in NUM_STEPS steps, asking the
+                    core between two steps (as the runner does) and running an urgent batch
+                    whole there
   prefix-cache order a stream's call waits for its earlier calls (engine `order_streams`)
   gateway           `gateways` processes, streams round robin; each is one serial CPU: a cost
                     per stream opened (before its first flow call goes out) and per chunk
@@ -34,8 +35,8 @@ modelled:
   admission         the gateway's own `AdmissionController` per gateway process (fake clock),
                     its `CapacityBoard` fed with the simulated flow `CostModel`'s learned
                     capacity on every flow answer, each stream seen through
-                    `StreamPipeline.remaining_work` itself; refused streams end at once
-                    (RESOURCE_EXHAUSTED); `WorstCaseAdmission` is the rule before 080b335
+                    gateway/admission.py `remaining_work`, as the pipeline's; refused
+                    streams end at once (RESOURCE_EXHAUSTED)
   vocoder           one replica, `SessionManager.take_ready`'s policy: one chunk per session,
                     earliest due first, urgent batches (`urgent_slack_s`, `urgent_max_frames`),
                     `max_wait_s` to fill; `VocoderCostFit`: graphed batches (rows and decoder
@@ -44,10 +45,10 @@ modelled:
                     chunks ~23 ms, 24 x 100-frame chunks ~56 ms); more than 32 rows run eagerly
 
 `python -m bench simulate` prints the closed-loop and Poisson figures for the current policy
-(flags pick variants: the services' knobs); `--knobs` prints the table of simulated knob
-settings in docs/bench/2026-12-03-capacity-runs.md. tests/test_simulate.py keeps it honest. Numbers from it are a
-model, not measurements: use it to compare policies, then verify on the GPU. The flow and the
-vocoder are modelled as independent (they share one GPU on the real host).
+(flags pick variants: the services' knobs), or with `--overload` one run through admission.
+tests/test_simulate.py keeps it honest, and tests/test_engine_core.py holds its flow engine
+to the service's. Numbers from it are a model, not measurements: use it to compare policies,
+then verify on the GPU.
 """
 
 from __future__ import annotations
@@ -57,20 +58,29 @@ import heapq
 import itertools
 import json
 import math
+import re
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
 from bench.metrics import StreamRecord, summarize
 from bench.workload import chunk_needs, poisson_arrivals
+from flow_service.config import FlowConfig
+from flow_service.core import EngineCore, Running
 from flow_service.costmodel import CostModel
 from flow_service.model.config import BLOCK_FRAMES, NUM_STEPS
 from flow_service.runner import graph_fits, graph_rows
-from flow_service.scheduler import BatchPolicy, PendingCall, Plan, Scheduler
-from gateway.admission import AdmissionConfig, AdmissionController, CapacityBoard, edf_lateness
+from flow_service.scheduler import BatchPolicy, PendingCall, Plan
+from gateway.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    CapacityBoard,
+    remaining_work,
+)
 from gateway.deadlines import VOCODER_HOLDBACK_FRAMES, DeadlineConfig, PlaybackClock
-from gateway.pipeline import StreamPipeline
 from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner, ScheduleConfig
 from token2wav import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKEN_MEL_RATIO
 from token2wav.errors import ResourceExhausted
@@ -90,7 +100,7 @@ class FlowCostFit:
     solve_floor_s: float = 0.019  # per graphed solve: launches
     row_frame_s: float = 2.047e-5  # per row x frame, per solve
     row_frame2_s: float = 7.495e-9  # per row x frame^2, per solve (attention)
-    graph_rows: int = 64  # the flow's --graph-max-batch
+    graph_rows: int = FlowConfig.graph_max_batch  # the flow's --graph-max-batch
     # Eager solves (bench/profile_prefix.py on an H200, bf16, fused norms, 10 s streams' calls
     # 0/1/2/final at 16-64 rows): max(a launch-bound floor, the compute of the frames actually
     # computed). The floor is ~300 ms a solve, measured 214-406 ms where compute is small (the
@@ -199,14 +209,16 @@ class SimConfig:
     # at most graph_rows rows replays CUDA graphs only if rows x its longest sequence is at most
     # this; otherwise it runs eagerly, unpadded, with the prefix cache. 0: no bound (graphs up
     # to graph_rows rows, as before 2026-12-03's sixth run)
-    graph_max_frames: int = 12288
+    graph_max_frames: int = FlowConfig.graph_max_frames
     # the gateway's admission control (--admission...; enabled=False: every stream admitted),
-    # one controller per gateway process, the real one or a variant (`WorstCaseAdmission`)
+    # one controller per gateway process
     admission: AdmissionConfig = AdmissionConfig()
-    admission_rule: type[AdmissionController] = AdmissionController
 
 
-class _Clock:
+class EventClock:
+    """The simulated clock: `at(t, fn, *args)` queues an event, `run()` plays them in time
+    order (ties in the order queued)."""
+
     def __init__(self):
         self.now = 0.0
         self._events: list = []
@@ -222,47 +234,127 @@ class _Clock:
             fn(*args)
 
 
-class _Done:
-    """A finished future, as `StreamPipeline.remaining_work` reads one."""
+class SimulatedEngine:
+    """flow_service/engine.py's loop on the simulated clock: its `EngineCore` decides what
+    runs and when, as in the service. A batch takes `batch_s(plan)` seconds, `overhead_s` and
+    then NUM_STEPS equal solver steps; between two steps a batch that may give way asks the
+    core, as the runner does, and an urgent batch then runs whole. `done(plan, started, now)`
+    hears of each batch as it ends, after the core. `debt`: seconds the running batch lost to
+    other work on the GPU (the vocoder), paid before its next event."""
 
-    def __init__(self, value=None):
-        self.value = value
+    def __init__(
+        self,
+        core: EngineCore,
+        clock: EventClock,
+        batch_s: Callable[[Plan], float],
+        overhead_s: float = 0.0,
+        done: Callable[[Plan, float, float], None] = lambda plan, started, now: None,
+    ):
+        self.core = core
+        self.clock = clock
+        self.batch_s = batch_s
+        self.overhead_s = overhead_s
+        self.done = done
+        self.running: Plan | None = None
+        self.debt = 0.0
+        self._wake_at = math.inf
 
-    def done(self) -> bool:
+    def add(self, call: PendingCall) -> None:
+        self.core.add(call)
+        self._kick()
+
+    def _kick(self) -> None:
+        if self.running is not None:
+            return
+        step = self.core.step()
+        if step.plan is not None:
+            self._start(step.plan)
+        elif step.wake_at < self._wake_at:
+            self._wake_at = step.wake_at
+            self.clock.at(step.wake_at, self._wake, step.wake_at)
+
+    def _wake(self, t: float) -> None:
+        if self._wake_at == t:
+            self._wake_at = math.inf
+        self._kick()
+
+    def _start(self, plan: Plan) -> None:
+        self.running = plan
+        now = self.clock.now
+        step = (self.batch_s(plan) - self.overhead_s) / NUM_STEPS
+        state = _Batch(plan, now, step, NUM_STEPS, self.core.begin(plan))
+        self.clock.at(now + self.overhead_s + step, self._step_done, state)
+
+    def _deferred(self, fn, *args) -> bool:
+        """An event that is due now but lost GPU time meanwhile: later."""
+        if self.debt <= 0:
+            return False
+        self.clock.at(self.clock.now + self.debt, fn, *args)
+        self.debt = 0.0
         return True
 
-    def result(self):
-        return self.value
+    def _step_done(self, b: _Batch) -> None:
+        if self._deferred(self._step_done, b):
+            return
+        b.steps_left -= 1
+        now = self.clock.now
+        if b.steps_left == 0:
+            self.running = None
+            self.core.finish(b.plan, now - b.started - b.nested_s)
+            self.done(b.plan, b.started, now)
+            self._kick()
+            return
+        if b.running is not None and self.core.should_yield(b.running):
+            urgent = self.core.take_urgent(b.running).plan
+            if urgent is not None:
+                self.clock.at(now + self.batch_s(urgent), self._urgent_done, urgent, now, b)
+                return
+        self.clock.at(now + b.step_s, self._step_done, b)
+
+    def _urgent_done(self, plan: Plan, started: float, b: _Batch) -> None:
+        if self._deferred(self._urgent_done, plan, started, b):
+            return
+        now = self.clock.now
+        b.nested_s += now - started
+        self.core.finish(plan, now - started)
+        self.done(plan, started, now)
+        self.clock.at(now + b.step_s, self._step_done, b)
 
 
-class _Voice:
-    def __init__(self, num_prompt_tokens: int):
-        self.num_prompt_tokens = num_prompt_tokens
+@dataclass(eq=False)
+class _Batch:
+    """A flow batch in progress in the simulation."""
+
+    plan: Plan
+    started: float
+    step_s: float  # simulated seconds a solver step
+    steps_left: int
+    running: Running | None  # the core's, where the batch may give way between steps
+    nested_s: float = 0.0  # urgent batches run between its steps
 
 
-class _AdmissionView:
-    """A simulated stream as the gateway's admission sees its `StreamPipeline`: the attributes
-    that `StreamPipeline.remaining_work` reads, and that very method (not a copy of it)."""
-
-    remaining_work = StreamPipeline.remaining_work
+class _Admitted:
+    """A simulated stream as the gateway's admission sees it (`admission.Workload`): its work
+    left by gateway/admission.py `remaining_work`, as `StreamPipeline.remaining_work` gives
+    it."""
 
     def __init__(self, s: _Stream, prompt_tokens: int):
         self.s = s
-        self.setup = type("Setup", (), {"voice": _Voice(prompt_tokens)})()
-        self.playback = s.playback
-        self.planner = s.planner
-        self._ready_at = s.ready
-        self._flow_calls: dict[int, _Done] = {}  # seq -> planned chunk
-        self._mels: dict[int, _Done] = {}  # seq -> mel back
-        self._due: dict[int, float] = {}  # seq -> due sent to the flow
+        self.prompt_tokens = prompt_tokens
 
-    @property
-    def num_tokens(self) -> int:
-        return self.s.num_tokens
-
-    @property
-    def ended(self) -> bool:
-        return self.s.ended
+    def remaining_work(self, now: float, expected_tokens: int) -> list[tuple[float, int]]:
+        s = self.s
+        in_flight = [(chunk, due, s.ready[seq]) for seq, (chunk, due) in s.unanswered.items()]
+        return remaining_work(
+            s.planner,
+            s.playback,
+            self.prompt_tokens,
+            in_flight,
+            s.num_tokens,
+            s.ended,
+            now,
+            expected_tokens,
+        )
 
 
 def _now(coro):
@@ -273,17 +365,6 @@ def _now(coro):
         return stop.value
     coro.close()
     raise RuntimeError("admission waited: the simulation supports --admission-max-wait-ms 0")
-
-
-class WorstCaseAdmission(AdmissionController):
-    """The gateway's admission rule before commit 080b335 (worst against worst): admit when the
-    largest EDF lateness with the newcomer is within max(tolerance, the largest without it).
-    Kept here only to compare the rules: it replaces `AdmissionController.lateness_caused`."""
-
-    def lateness_caused(self, items, new, capacity: float, now: float) -> float:
-        before = max(edf_lateness(items, capacity, now), default=-math.inf)
-        after = max(edf_lateness(items + new, capacity, now), default=-math.inf)
-        return -math.inf if after <= max(self.config.tolerance_s, before) else after
 
 
 @dataclass(eq=False)
@@ -310,7 +391,9 @@ class _Stream:
     delivered_frames: int = 0
     out_free_at: float = 0.0  # the stream's chunks go out in order (the start buffer holds it)
     cached_frames: int = 0  # prefix-cache blocks stored for it by its eager calls, in frames
-    view: _AdmissionView | None = None  # what admission sees of it, while admitted
+    # seq -> (chunk, the due sent with it; None without deadlines): planned, flow not answered
+    unanswered: dict = field(default_factory=dict)
+    admitted: _Admitted | None = None  # what admission sees of it, while admitted
 
 
 class Simulation:
@@ -318,12 +401,13 @@ class Simulation:
 
     def __init__(self, config: SimConfig):
         self.c = config
-        self.clock = _Clock()
+        self.clock = EventClock()
         self.cost = CostModel(NUM_STEPS)
-        self.sched = Scheduler(config.policy, self.cost)
+        core = EngineCore(config.policy, self.cost, config.preempt, lambda: self.clock.now)
+        self.flow = SimulatedEngine(
+            core, self.clock, self._batch_s, config.flow_cost.overhead_s, self._batch_done
+        )
         self.streams: list[_Stream] = []
-        self.running: Plan | None = None
-        self._wake_pending = math.inf
         self.voc_queue: list = []  # (due, stream, chunk, ready at the vocoder)
         self.voc_busy = False
         self._voc_wake = math.inf
@@ -331,13 +415,11 @@ class Simulation:
         # per gateway process: the replicas' reported capacity and the admission controller
         self.boards = [CapacityBoard(lambda: self.clock.now) for _ in self.gw_free_at]
         self.admission = [
-            config.admission_rule(config.admission, b, lambda: self.clock.now) for b in self.boards
+            AdmissionController(config.admission, b, lambda: self.clock.now) for b in self.boards
         ]
         self.refused = 0
         self.batches: list[dict] = []  # one line per flow batch (for post-mortems)
         self.voc_batches: list[dict] = []
-        self.num_preemptions = 0
-        self._flow_debt = 0.0  # seconds the running flow work lost to vocoder batches
         self._cache_plans: dict = {}  # id(plan) -> prefix-cache stores (None: graphed)
         self.seq_frames = 0  # flow batches' rows x sequence frames (padding excluded)
         self.computed_frames = 0  # of which computed (the prefix cache's hits excluded)
@@ -370,15 +452,15 @@ class Simulation:
 
     def _open(self, s: _Stream) -> None:
         if self.c.admission.enabled:  # gateway/servicer.py: admit before the pipeline runs
-            view = _AdmissionView(s, self.c.prompt_tokens)
+            admitted = _Admitted(s, self.c.prompt_tokens)
             try:
-                _now(self.admission[s.gateway].admit(view))
+                _now(self.admission[s.gateway].admit(admitted))
             except ResourceExhausted as exc:
                 s.refused, self.refused = True, self.refused + 1
                 s.rec.status, s.rec.detail = "RESOURCE_EXHAUSTED", str(exc)
                 s.rec.closed = self.clock.now + 2 * self.c.wire_s
                 return
-            s.view = view
+            s.admitted = admitted
         self.clock.at(self._gateway_cpu(s, self.c.gateway_stream_s), self._opened, s)
 
     def _opened(self, s: _Stream) -> None:
@@ -394,9 +476,7 @@ class Simulation:
             due = s.playback.due(chunk, now) if s.playback else math.inf
             s.ready[chunk.seq] = now
             s.pending.append((chunk, due))
-            if s.view is not None:
-                s.view._flow_calls[chunk.seq] = _Done(chunk)
-                s.view._due[chunk.seq] = due
+            s.unanswered[chunk.seq] = (chunk, due if s.playback else None)
         self._send_flow(s)
 
     def _send_flow(self, s: _Stream) -> None:
@@ -430,86 +510,11 @@ class Simulation:
             final=chunk.finalize,
             sent=sent,
         )
-        self.sched.add(call)
+        self.flow.add(call)
         if not self.c.order_streams:
             self._chain_next(s)
-        self._kick()
 
     # -- flow engine ------------------------------------------------------------------------
-    def _kick(self) -> None:
-        if self.running is not None:
-            return
-        now = self.clock.now
-        start = self.sched.ready_at(now)
-        if start > now:
-            if start < self._wake_pending:
-                self._wake_pending = start
-                self.clock.at(start, self._wake, start)
-            return
-        plan = self.sched.schedule(now=now)
-        if plan is None:
-            return
-        self._start(plan)
-
-    def _wake(self, t: float) -> None:
-        if self._wake_pending == t:
-            self._wake_pending = math.inf
-        self._kick()
-
-    def _start(self, plan: Plan) -> None:
-        self.running = plan
-        total = self._batch_s(plan)
-        preemptible = self.c.preempt and not any(
-            c.is_first_chunk and c.due == math.inf for c in plan.calls
-        )
-        step = (total - self.c.flow_cost.overhead_s) / NUM_STEPS
-        state = {
-            "plan": plan,
-            "start": self.clock.now,
-            "nested": 0.0,
-            "step": step,
-            "steps_left": NUM_STEPS,
-            "preemptible": preemptible,
-            "est_step": self.cost.step_s(len(plan.calls), plan.padded_len),
-        }
-        self.clock.at(self.clock.now + self.c.flow_cost.overhead_s + step, self._step_done, state)
-
-    def _deferred(self, fn, *args) -> bool:
-        """A flow event that is due now but lost GPU time to the vocoder meanwhile: later."""
-        if self._flow_debt <= 0:
-            return False
-        self.clock.at(self.clock.now + self._flow_debt, fn, *args)
-        self._flow_debt = 0.0
-        return True
-
-    def _step_done(self, state: dict) -> None:
-        if self._deferred(self._step_done, state):
-            return
-        state["steps_left"] -= 1
-        now = self.clock.now
-        if state["steps_left"] == 0:
-            own = now - state["start"] - state["nested"]
-            self._finish(state["plan"], state["start"], own, now)
-            self.running = None
-            self._kick()
-            return
-        if state["preemptible"]:
-            remaining = state["steps_left"] * state["est_step"]
-            running_due = min(c.due for c in state["plan"].calls)
-            if self.sched.preempt_due(now, state["est_step"], remaining, running_due):
-                plan = self.sched.schedule(
-                    now=now,
-                    urgent_slack_s=self.sched.urgent_slack(state["est_step"], remaining),
-                    due_before=running_due,
-                )
-                if plan is not None:
-                    self.num_preemptions += 1
-                    plan.urgent = True
-                    t = self._batch_s(plan)
-                    self.clock.at(now + t, self._nested_done, plan, now, state)
-                    return
-        self.clock.at(now + state["step"], self._step_done, state)
-
     def graphed(self, plan: Plan) -> bool:
         """flow_service/runner.py `FlowRunner.graphed`: graphs up to graph_rows rows and,
         with graph_max_frames, up to that many rows x longest sequence frames."""
@@ -554,17 +559,7 @@ class Simulation:
             s.cached_frames = max(s.cached_frames, end)
         return stores is None
 
-    def _nested_done(self, plan: Plan, started: float, state: dict) -> None:
-        if self._deferred(self._nested_done, plan, started, state):
-            return
-        state["nested"] += self.clock.now - started
-        self._finish(plan, started, self.clock.now - started, self.clock.now)
-        self.clock.at(self.clock.now + state["step"], self._step_done, state)
-
-    def _finish(self, plan: Plan, started: float, own_s: float, now: float) -> None:
-        self.sched.mark_busy_until(now)
-        self.sched.finished(plan.calls, now)
-        self.cost.observe(len(plan.calls), plan.padded_len, own_s)
+    def _batch_done(self, plan: Plan, started: float, now: float) -> None:
         graphed = self._commit_cache(plan)
         self.batches.append(
             {
@@ -587,8 +582,7 @@ class Simulation:
         s.mels[chunk.seq] = chunk
         # gateway/downstream.py: each flow answer carries the replica's learned capacity
         self.boards[s.gateway].report("flow", self.cost.capacity_frames_per_s)
-        if s.view is not None:
-            s.view._mels[chunk.seq] = _Done()
+        s.unanswered.pop(chunk.seq, None)
         if s.chain_busy:
             s.chain_busy = False
             self._chain_next(s)
@@ -647,8 +641,8 @@ class Simulation:
         self.voc_batches.append({"t": round(now, 4), "rows": len(batch), "s": round(t, 4)})
         for _, s, chunk, _ in batch:
             s.stages[chunk.seq].append(now)
-        if self.running is not None:
-            self._flow_debt += self.c.gpu_share * t
+        if self.flow.running is not None:
+            self.flow.debt += self.c.gpu_share * t
         self.clock.at(now + t, self._voc_done, batch, len(batch))
 
     def _voc_wakeup(self, t: float) -> None:
@@ -697,16 +691,16 @@ class Simulation:
         )
         s.delivered_frames = upto
         if s.playback:
-            if chunk.seq > 0 and s.view is not None:  # pipeline.py `run`: admission feedback
+            if chunk.seq > 0 and s.admitted is not None:  # pipeline.py `run`: admission feedback
                 needed = s.playback.needed_at(chunk, s.ready[chunk.seq], project=True)
                 self.admission[s.gateway].observe(now - needed)
             s.playback.sent(frames * SAMPLES_PER_FRAME / SAMPLE_RATE)
         if chunk.finalize:
             rec.final_seen = True
             rec.closed = now + self.c.wire_s
-            if s.view is not None:
-                _now(self.admission[s.gateway].release(s.view))
-                s.view = None
+            if s.admitted is not None:
+                _now(self.admission[s.gateway].release(s.admitted))
+                s.admitted = None
 
     def run(self) -> list[StreamRecord]:
         self.clock.run()
@@ -772,130 +766,33 @@ def _figures(sim: Simulation, recs: list[StreamRecord], window: float) -> dict:
         "excess_p99_ms": round(u["excess_buffer_ms"]["p99"], 1),
         "first_chunk_stages_ms": {k: round(st.get(f"{k}_ms", 0.0), 1) for k in keys},
         "batches": len(sim.batches),
-        "preemptions": sim.num_preemptions,
+        "preemptions": sim.flow.core.num_preemptions,
         "mean_rows": round(float(np.mean([b["rows"] for b in sim.batches])), 2),
     }
 
 
-def probe(
-    config: SimConfig, rate: float, pace: float, seeds: int = 3, duration: float = 15.0
-) -> dict:
-    """One capacity probe pooled over `seeds` Poisson runs: bench/capacity.py's criteria
-    (on time: no stack-added stall, the zero-compute test; pass: >= 99 % on time and first
-    chunk p95 <= 250 ms)."""
-    recs = []
-    for seed in range(seeds):
-        sim = Simulation(config)
-        for i, t in enumerate(poisson_arrivals(seed, rate, duration)):
-            sim.add_stream(f"p{seed}-{i}", float(t), pace)
-        recs += sim.run()
-    m = summarize(recs, duration * seeds)
-    on_time = m["num_ok"] - m["underruns"]["stack_streams"]
-    p95 = m["first_chunk_ms"]["p95"]
-    return {
-        "rate": rate,
-        "on_time": on_time,
-        "streams": m["num_streams"],
-        "first_chunk_p50_ms": round(m["first_chunk_ms"]["p50"], 1),
-        "first_chunk_p95_ms": round(p95, 1),
-        "passed": on_time >= CAPACITY_ON_TIME * m["num_streams"] and p95 <= CAPACITY_P95_MS,
-    }
-
-
-CAPACITY_ON_TIME, CAPACITY_P95_MS = 0.99, 250.0  # bench/capacity.py's criteria
-PACED_RATES = (3.0, 3.6, 4.3, 5.0, 6.0, 7.0, 8.5)  # streams/s, the knob table's grid at 50/s
-AT_ONCE_RATES = (9.8, 10.7)
-
-
-def capacity(probes: list[dict]) -> float:
-    """The highest probed rate below the first failing one (0: none passed), as the bench's
-    search steps up until a probe fails."""
-    found = 0.0
-    for p in sorted(probes, key=lambda p: p["rate"]):
-        if not p["passed"]:
-            break
-        found = p["rate"]
-    return found
-
-
-def knob_configs() -> dict[str, SimConfig]:
-    """The settings compared in docs/bench/2026-12-03-capacity-runs.md ("Simulated knobs"): one or two flags of
-    the services each, the rest as bench/run_capacity_gpu.sh ran them in the fifth run."""
-    base = SimConfig(graph_max_frames=0)  # the fifth run: graphs up to 64 rows, no cache
-    pol = base.policy
-
-    def flow(**kw) -> BatchPolicy:
-        return replace(pol, **kw)
-
-    return {
-        "as run: buffer 150 ms, frames 51200, wait 5 ms, urgent 100 ms / 1600": base,
-        "flow --max-batch-frames=16384": replace(base, policy=flow(max_batch_frames=16384)),
-        "flow --max-batch-frames=12288": replace(base, policy=flow(max_batch_frames=12288)),
-        "flow --max-batch-frames=8192": replace(base, policy=flow(max_batch_frames=8192)),
-        "flow --max-batch-frames=4096": replace(base, policy=flow(max_batch_frames=4096)),
-        "flow --max-wait-ms=0": replace(base, policy=flow(max_wait_ms=0.0)),
-        "flow --max-wait-ms=15": replace(base, policy=flow(max_wait_ms=15.0)),
-        "gateway --start-buffer-ms=200": replace(base, start_buffer_s=0.2),
-        "gateway --start-buffer-ms=240": replace(base, start_buffer_s=0.24),
-        "vocoder --urgent-slack-ms=0 (off)": replace(base, vocoder_urgent_slack_s=0.0),
-        "vocoder --urgent-slack-ms=200": replace(base, vocoder_urgent_slack_s=0.2),
-        "vocoder --urgent-max-frames=800": replace(base, vocoder_urgent_max_frames=800),
-        "buffer 200 + frames 8192": replace(
-            base, start_buffer_s=0.2, policy=flow(max_batch_frames=8192)
-        ),
-        "buffer 240 + frames 8192": replace(
-            base, start_buffer_s=0.24, policy=flow(max_batch_frames=8192)
-        ),
-        "buffer 240 + frames 12288": replace(
-            base, start_buffer_s=0.24, policy=flow(max_batch_frames=12288)
-        ),
-    }
-
-
-def _share(p: dict) -> str:
-    return f"{100 * p['on_time'] / p['streams']:.1f} %"
-
-
-def knob_table(seeds: int = 12, duration: float = 15.0) -> str:
-    """Markdown: per setting, the closed loop, probes with tokens at once and at 50 tokens/s
-    (pooled over `seeds` Poisson runs of `duration` s each), and the capacity at 50 tokens/s
-    by the zero-compute test (capacity.md's "By the zero-compute test")."""
-    lines = [
-        "| setting | closed loop 64: first chunk p50 / p95 ms, stalled | at once 9.8 / 10.7 per s: "
-        "on time, first chunk p95 ms | 50 tokens/s: on time at 4.3 / 5.0 / 6.0 / 7.0 per s | 50 "
-        "tokens/s: first chunk p95 ms at 5.0/s | capacity at 50 tokens/s, streams/s |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, cfg in knob_configs().items():
-        c = closed_loop(cfg)
-        once = [probe(cfg, r, 0.0, seeds, duration) for r in AT_ONCE_RATES]
-        paced = {r: probe(cfg, r, 50.0, seeds, duration) for r in PACED_RATES}
-        shares = " / ".join(_share(paced[r]) for r in (4.3, 5.0, 6.0, 7.0))
-        lines.append(
-            f"| {name} | {c['first_chunk_p50_ms']:.0f} / {c['first_chunk_p95_ms']:.0f}, "
-            f"{c['stack_stalled']} | {' / '.join(_share(p) for p in once)}, "
-            f"{once[0]['first_chunk_p95_ms']:.0f} / {once[1]['first_chunk_p95_ms']:.0f} | "
-            f"{shares} | {paced[5.0]['first_chunk_p95_ms']:.0f} | "
-            f"{capacity(list(paced.values())):g} |"
-        )
-    return "\n".join(lines)
-
-
-# bench/profile_prefix.py on an H200 (bf16, fused norms; 2026-12-03): B streams each running a
-# 10 s utterance's calls 0/1/2/final, ms per batch. Their sequences (num_seq_frames, what the
-# DiT runs and the graphs pad) are 200/300/500/650 frames; the script names them by their
-# tokens' frames, 206/306/506/656 with the 3 lookahead tokens
+# The DiT sequences (num_seq_frames, what the graphs pad) of a 10 s utterance's calls 0/1/2/final
+# as bench/profile_prefix.py runs them; its output names them by their tokens' frames,
+# 206/306/506/656 with the 3 lookahead tokens.
 PROFILE_FRAMES = (200, 300, 500, 650)
-PROFILE_MS = {
-    16: ((103, 141, 208, 314), (356, 367, 369, 364), (389, 379, 406, 393)),
-    32: ((163, 245, 387, 591), (331, 386, 407, 559), (322, 401, 368, 557)),
-    48: ((241, 347, 574, 863), (393, 379, 583, 818), (280, 214, 323, 820)),
-    64: ((310, 461, 767, 1153), (305, 474, 775, 1080), (350, 224, 396, 1083)),
-}
+PROFILE_RUN = Path(__file__).parent.parent / "docs/bench/capacity-2026-12-03e/profile_prefix.txt"
+
+
+def profiled_ms(path: Path = PROFILE_RUN) -> dict[int, tuple[tuple[float, ...], ...]]:
+    """bench/profile_prefix.py's output: rows -> ms per batch of calls 0/1/2/final, graphed,
+    eager, eager with the prefix cache (the order `profile_model` gives them in)."""
+    kinds = {"graphed": 0, "no cache": 1, "cache": 2}
+    found: dict[int, list] = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"B=\s*(\d+)\s+(graphed|no cache|cache)\s+(.*)$", line)
+        if m:
+            row = found.setdefault(int(m[1]), [None] * 3)
+            row[kinds[m[2]]] = tuple(float(x) for x in m[3].split("/"))
+    return {rows: tuple(r) for rows, r in found.items()}
 
 
 def profile_model(fit: FlowCostFit, rows: int) -> tuple[tuple[float, ...], ...]:
-    """`FlowCostFit`'s ms for PROFILE_MS's batches: graphed, eager, eager with the prefix
+    """`FlowCostFit`'s ms for the profiled batches (`profiled_ms`): graphed, eager, eager with the prefix
     cache (each call reads the blocks the one before stored, up to its first returned frame,
     and stores its complete blocks; the final call recomputes everything)."""
     graphed = tuple(1e3 * fit.graphed_s(rows, f) for f in PROFILE_FRAMES)
@@ -910,90 +807,6 @@ def profile_model(fit: FlowCostFit, rows: int) -> tuple[tuple[float, ...], ...]:
         cached.append(1e3 * fit.eager_s(rows, f, f - prefix, stored))
         prev = max(prev, end)
     return graphed, eager, tuple(cached)
-
-
-SIXTH_RUN_AT_ONCE = (9.375, 10.48, 11.72)  # the sixth run's capacity probes, tokens at once
-SIXTH_RUN_PACED = (6.0, 6.7, 7.5)  # and at 50 tokens/s (start buffer 240 ms)
-
-
-def graph_cache_table(seeds: int = 8, duration: float = 15.0) -> str:
-    """Markdown: the flow's batch costs against bench/profile_prefix.py, then the sixth run's
-    figures (start buffer 240 ms, 4 gateways) with and without --graph-max-frames."""
-    fit = FlowCostFit()
-    lines = [
-        "| rows | graphed: measured (model) ms, calls 0 / 1 / 2 / final | eager | eager + cache |",
-        "|---|---|---|---|",
-    ]
-    for rows, measured in PROFILE_MS.items():
-        cells = [
-            " / ".join(f"{m} ({round(x)})" for m, x in zip(meas, model, strict=True))
-            for meas, model in zip(measured, profile_model(fit, rows), strict=True)
-        ]
-        lines.append(f"| {rows} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "| --graph-max-frames | closed loop 64: xRT, first chunk p50 / p95 ms, stalled | at "
-        "once 9.375 / 10.48 / 11.72 per s: on time, p95 ms | 50 tokens/s 6.0 / 6.7 / 7.5 per "
-        "s: on time, p95 ms | eager batches, computed / sequence frames |",
-        "|---|---|---|---|---|",
-    ]
-    for bound in (12288, 0):
-        cfg = SimConfig(start_buffer_s=0.24, graph_max_frames=bound)
-        sim = Simulation(cfg)
-        for i in range(64):
-            sim.add_stream(f"c{i}", i * 0.0004, 0.0)
-        recs = sim.run()
-        c = _figures(sim, recs, max(r.closed for r in recs))
-        eager = sum(not b["graphed"] for b in sim.batches)
-        once = [probe(cfg, r, 0.0, seeds, duration) for r in SIXTH_RUN_AT_ONCE]
-        paced = [probe(cfg, r, 50.0, seeds, duration) for r in SIXTH_RUN_PACED]
-
-        def cells(ps: list[dict]) -> str:
-            return " / ".join(f"{_share(p)}, {p['first_chunk_p95_ms']:.0f}" for p in ps)
-
-        lines.append(
-            f"| {bound} | {c['xrt']:.0f}, {c['first_chunk_p50_ms']:.0f} / "
-            f"{c['first_chunk_p95_ms']:.0f}, {c['stack_stalled']} | {cells(once)} | "
-            f"{cells(paced)} | {eager} of {len(sim.batches)}, "
-            f"{sim.computed_frames / max(1, sim.seq_frames):.2f} |"
-        )
-    return "\n".join(lines)
-
-
-# the H200 overload runs: (gateways in front, start buffer s, rate streams/s, seconds, headrooms)
-OVERLOAD_RUNS = ((1, 0.24, 18.75, 20.0, (0.8, 0.6)), (2, 0.15, 21.6, 15.0, (0.8,)))
-
-
-def admission_table(seeds: int = 6) -> str:
-    """Markdown: overload (Poisson, tokens at once) through the gateways' admission, the rule
-    before 080b335 against today's, as the H200 ran it (OVERLOAD_RUNS); per seed and pooled."""
-    lines = [
-        "| gateways, buffer, rate x s | headroom | rule | admitted / refused per run | "
-        "admitted on time: pooled; per seed | first chunk p95 ms per seed |",
-        "|---|---|---|---|---|---|",
-    ]
-    for gateways, buffer_s, rate, duration, headrooms in OVERLOAD_RUNS:
-        for headroom in headrooms:
-            for name, rule in (("old", WorstCaseAdmission), ("new", AdmissionController)):
-                cfg = SimConfig(
-                    gateways=gateways,
-                    start_buffer_s=buffer_s,
-                    admission=AdmissionConfig(enabled=True, headroom=headroom),
-                    admission_rule=rule,
-                )
-                runs = [overload(cfg, rate, duration, 0.0, seed) for seed in range(seeds)]
-                adm = sum(r["admitted"] for r in runs)
-                lines.append(
-                    f"| {gateways}, {buffer_s * 1e3:.0f} ms, {rate:g}/s x {duration:g} s | "
-                    f"{headroom} | {name} | {adm / seeds:.0f} / "
-                    f"{sum(r['refused'] for r in runs) / seeds:.0f} | "
-                    f"{100 * sum(r['on_time'] for r in runs) / adm:.1f} %; "
-                    + " ".join(f"{100 * r['on_time_share']:.0f}" for r in runs)
-                    + " | "
-                    + " ".join(f"{r['first_chunk_p95_ms']:.0f}" for r in runs)
-                    + " |"
-                )
-    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
@@ -1019,11 +832,6 @@ def main(argv=None) -> None:
         ("--graph-max-frames", base.graph_max_frames, int, "flow: graphs up to rows x frames"),
     ]:
         knobs.add_argument(flag, type=kind, default=default, help=f"{what} (%(default)s)")
-    ap.add_argument(
-        "--knobs",
-        action="store_true",
-        help="print the table of simulated knob settings (docs/bench/2026-12-03-capacity-runs.md) and stop",
-    )
     adm = ap.add_argument_group(
         "admission (the gateway's --admission-...; each gateway process admits its own streams)"
     )
@@ -1042,26 +850,7 @@ def main(argv=None) -> None:
         default=AdmissionConfig().headroom,
         help="share of the flow's reported capacity admission plans with (%(default)s)",
     )
-    adm.add_argument(
-        "--old-admission-rule",
-        action="store_true",
-        help="admit by the rule before commit 080b335 (worst lateness against worst), to compare",
-    )
-    ap.add_argument(
-        "--tables",
-        action="store_true",
-        help="print the tables of docs/bench/2026-12-03-capacity-runs.md's 'Simulated: graphs or cache per batch, "
-        "and admission' (flow cost fit, the sixth run's figures, overload) and stop",
-    )
     a = ap.parse_args(argv)
-    if a.knobs:
-        print(knob_table())
-        return
-    if a.tables:
-        print(graph_cache_table())
-        print()
-        print(admission_table())
-        return
     policy = replace(base.policy, max_batch_frames=a.max_batch_frames, max_wait_ms=a.max_wait_ms)
     cfg = replace(
         base,
@@ -1074,11 +863,7 @@ def main(argv=None) -> None:
         graph_max_frames=a.graph_max_frames,
     )
     if a.overload > 0:
-        cfg = replace(
-            cfg,
-            admission=AdmissionConfig(enabled=True, headroom=a.admission_headroom),
-            admission_rule=WorstCaseAdmission if a.old_admission_rule else AdmissionController,
-        )
+        cfg = replace(cfg, admission=AdmissionConfig(enabled=True, headroom=a.admission_headroom))
         print(json.dumps(overload(cfg, a.overload, a.overload_seconds, 0.0, a.seed)))
         return
     out = {"closed": closed_loop(cfg, a.streams)}
@@ -1098,14 +883,11 @@ def main(argv=None) -> None:
 
 __all__ = [
     "FlowCostFit",
-    "WorstCaseAdmission",
     "SimConfig",
     "Simulation",
     "VocoderCostFit",
-    "capacity",
     "closed_loop",
     "overload",
     "poisson",
-    "probe",
     "replace",
 ]

@@ -1,7 +1,8 @@
 """The flow engine: a queue of calls and the scheduling loop; the device side is the runner.
 
 `submit()` is called by the servicer for each validated chunk and awaits its mel. The loop asks
-the `Scheduler` for a `Plan`, has the `FlowRunner` (flow_service/runner.py) run it on its worker
+its `EngineCore` (flow_service/core.py: the decisions, which bench/simulate.py drives too) for
+a `Plan`, has the `FlowRunner` (flow_service/runner.py) run it on its worker
 thread (own CUDA stream, CUDA graphs) so the event loop keeps accepting calls while a batch
 computes, and hands each slot's result to the call in that slot. A call cancelled while waiting
 leaves the queue; one cancelled while its batch runs has its row discarded. A batch that raises
@@ -25,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +33,7 @@ import torch
 
 from flow_service import metrics
 from flow_service.contain import execute_contained
+from flow_service.core import EngineCore, Running
 from flow_service.costmodel import CostModel, num_solver_steps
 from flow_service.model import FlowModel, FlowRequest, PrefixCache
 from flow_service.runner import BetweenSteps, FlowRunner, UrgentRequest
@@ -77,7 +78,7 @@ class FlowEngine:
         self._chains: dict[str, list[tuple[int, asyncio.Event]]] = {}  # key -> calls in flight
         self.policy = policy
         self.cost = cost or CostModel(num_solver_steps(model))
-        self.scheduler = Scheduler(policy, self.cost)
+        self.core = EngineCore(policy, self.cost, preempt)
         self.log_batches = log_batches
         self.runner = FlowRunner(
             model,
@@ -87,26 +88,14 @@ class FlowEngine:
             graph_frame_multiple=graph_frame_multiple,
             graph_max_frames=graph_max_frames,
         )
-        self.preempt = preempt
         self._loop_ref: asyncio.AbstractEventLoop | None = None
         self._stopping = False
-        # Written by the loop thread, read by the runner between steps (a plain int: reading a
-        # stale value costs one needless round trip or one step of delay, nothing more).
-        self._first_waiting = 0
-        # Likewise: the earliest latest-start of a waiting call with a deadline (monotonic s),
-        # and one solver step of the batch the runner is in (runner thread only).
-        self._latest_start = math.inf
-        self._min_due = math.inf  # the earliest due of a waiting call (loop thread writes)
-        self._step_s = 0.0
-        # Runner thread only: what is left of the preemptible batch it runs, and its rows'
-        # earliest due (an urgent batch must be due before it: earliest deadline first).
-        self._remaining_s = 0.0
-        self._running_due = math.inf
-        self.num_preemptions = 0
+        # The preemptible batch the runner is in (runner thread; the loop thread reads it in
+        # `_take_urgent`, while the runner waits for the answer).
+        self._running: Running | None = None
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._futures: dict[int, asyncio.Future] = {}  # call_id -> the waiting caller's future
-        self.num_batches = 0
         # Set once a sticky device error was seen: no batch runs again in this process.
         self.device_lost: BaseException | None = None
         self.on_device_lost: Callable[[BaseException], None] | None = None  # the service's
@@ -120,15 +109,14 @@ class FlowEngine:
         self._stopping = True
         logger.info(
             "%d batches, %d of them urgent batches run between the steps of another",
-            self.num_batches,
+            self.core.num_batches,
             self.num_preemptions,
         )
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for call in self.scheduler.waiting:
+        for call in self.core.clear():
             self._fail(call, Unavailable("flow service is shutting down"))
-        self.scheduler.waiting.clear()
         # Off the loop: a runner between two steps may still be waiting for the loop's answer.
         await asyncio.to_thread(self.runner.close)
 
@@ -146,7 +134,7 @@ class FlowEngine:
         with a smaller token_offset on this replica are done: it can only reuse what they
         stored, and its audio plays after theirs anyway."""
         key = request.cache_key if self.prefix_cache is not None and self.order_streams else ""
-        sent = time.monotonic()
+        sent = self.core.clock()
         if not key:
             return await self._submit_now(request, deadline, due, sent)
         chain = self._chains.setdefault(key, [])
@@ -155,7 +143,7 @@ class FlowEngine:
         chain.append(mine)
         try:
             if earlier:
-                left = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
+                left = None if deadline == math.inf else max(0.0, deadline - self.core.clock())
                 try:
                     # One coroutine, not gather(): a gather whose children are cancelled under a
                     # cancelled call logs "exception was never retrieved".
@@ -185,19 +173,17 @@ class FlowEngine:
             is_first_chunk=request.token_offset == 0,
             deadline=deadline,
             payload=request,
+            arrival=self.core.clock(),
             due=due,
             stream=request.cache_key,
             token_offset=request.token_offset,
             final=request.finalize,
             sent=sent,
         )
-        self.scheduler.add(call)  # RESOURCE_EXHAUSTED when full: at once, queue unchanged
-        self._first_waiting += call.is_first_chunk and due == math.inf
-        self._latest_start = self.scheduler.latest_start()
-        self._min_due = self.scheduler.min_due()
+        self.core.add(call)  # RESOURCE_EXHAUSTED when full: at once, queue unchanged
         future = asyncio.get_running_loop().create_future()
         self._futures[call.call_id] = future
-        metrics.QUEUE_DEPTH.set(len(self.scheduler))
+        metrics.QUEUE_DEPTH.set(len(self.core))
         self._wakeup.set()
         try:
             return await future
@@ -220,9 +206,18 @@ class FlowEngine:
             future.set_exception(exc)
 
     # -- the loop ----------------------------------------------------------------------------
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def num_preemptions(self) -> int:
+        """Urgent batches run between the steps of another."""
+        return self.core.num_preemptions
+
     async def _sleep_until(self, when: float) -> None:
         self._wakeup.clear()
-        timeout = None if when == math.inf else max(0.0, when - time.monotonic())
+        timeout = None if when == math.inf else max(0.0, when - self.core.clock())
         try:
             await asyncio.wait_for(self._wakeup.wait(), timeout)
         except asyncio.TimeoutError:
@@ -231,17 +226,13 @@ class FlowEngine:
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            now = time.monotonic()
-            self._drop_finished(now)
-            start_at = self.scheduler.ready_at(now)
-            if start_at > now:
-                await self._sleep_until(min(start_at, self._next_deadline()))
+            step = self.core.step()
+            self._expired(step.expired)
+            if step.plan is None:
+                await self._sleep_until(step.wake_at)
                 continue
-            plan = self.scheduler.schedule()
-            self._queue_changed()
-            if plan is None:
-                continue
-            started = time.monotonic()
+            plan = step.plan
+            started = self.core.clock()
             try:
                 outputs = await loop.run_in_executor(self.runner.executor, self._run, plan)
             except Exception as exc:  # noqa: BLE001 - the batch's calls fail, the server lives
@@ -252,37 +243,19 @@ class FlowEngine:
                 continue
             self._finish(plan, outputs, None, started)
 
-    def _drop_finished(self, now: float) -> None:
-        """Loop thread: cancelled calls leave the queue, expired ones fail."""
-        for call in self.scheduler.drop_finished(now):
+    def _expired(self, calls: list[PendingCall]) -> None:
+        """Loop thread: fail the calls that expired waiting; the queue's metrics."""
+        for call in calls:
             metrics.DROPPED.labels("deadline").inc()
             self._fail(call, DeadlineExceeded("deadline passed while waiting for a batch"))
-        self._queue_changed()
-
-    def _queue_changed(self) -> None:
-        """Loop thread: refresh what the runner and the metrics read of the queue."""
-        metrics.QUEUE_DEPTH.set(len(self.scheduler))
-        self._first_waiting = self.scheduler.num_first_chunks_waiting
-        self._latest_start = self.scheduler.latest_start()
-        self._min_due = self.scheduler.min_due()
-
-    def _next_deadline(self) -> float:
-        return min((c.deadline for c in self.scheduler.waiting), default=math.inf)
+        metrics.QUEUE_DEPTH.set(len(self.core))
 
     def _run(self, plan: Plan, nested: bool = False) -> tuple[list[torch.Tensor], float, float]:
         """Runner thread: (outputs, wall s, own s), as FlowRunner.execute."""
-        # Only a batch without first chunks (that have no deadline) gives way, and an urgent
-        # batch never does: nesting is one level deep.
-        preemptible = (
-            self.preempt
-            and not nested
-            and not any(c.is_first_chunk and c.due == math.inf for c in plan.calls)
-        )
+        running = self.core.begin(plan, nested)
         between_steps = None
-        if preemptible:
-            self._step_s = self.cost.step_s(len(plan.calls), plan.padded_len)
-            self._remaining_s = self.cost.estimate(len(plan.calls), plan.padded_len)
-            self._running_due = min(c.due for c in plan.calls)
+        if running is not None:
+            self._running = running
             between_steps = BetweenSteps(
                 self._loop_ref, self._urgent, self._take_urgent, self._run_urgent
             )
@@ -295,23 +268,15 @@ class FlowEngine:
 
     def _urgent(self) -> bool:
         """Runner thread, between two solver steps of a preemptible batch: must it give way?"""
-        # Urgent: a first chunk without a deadline waits, or a call that cannot wait for the
-        # rest of this batch (its latest start is before the batch ends) and is due before
-        # the batch's own rows (Scheduler.preempt_due; read here without the loop thread).
-        self._remaining_s = max(0.0, self._remaining_s - self._step_s)
-        wait = max(self._step_s, self._remaining_s)
-        due_soon = (
-            time.monotonic() + wait >= self._latest_start and self._min_due < self._running_due
-        )
         return (
-            (self._first_waiting > 0 or due_soon)
+            self.core.should_yield(self._running)
             and not self._stopping
             and self._loop_ref is not None
         )
 
     def _run_urgent(self, plan: Plan) -> None:
         """Runner thread: run the urgent batch to the end, then hand its results to the loop."""
-        started = time.monotonic()
+        started = self.core.clock()
         try:
             result, exc = self._run(plan, nested=True), None
         except Exception as e:  # noqa: BLE001 - fails the urgent calls only
@@ -323,22 +288,17 @@ class FlowEngine:
             pass
 
     async def _take_urgent(self, ask: UrgentRequest) -> None:
-        """Loop thread: hand the waiting first chunks to the runner as one batch."""
+        """Loop thread: hand the urgent work to the runner as one batch."""
         if not ask.open():
             return  # the runner stopped waiting; take nothing out of the queue
         plan = None
         try:
             if self._stopping:
                 return  # stop() fails the waiting calls; none may slip into a batch now
-            self._drop_finished(time.monotonic())
-            plan = self.scheduler.schedule(
-                urgent_slack_s=self.scheduler.urgent_slack(self._step_s, self._remaining_s),
-                due_before=self._running_due,
-            )
-            self._queue_changed()
+            step = self.core.take_urgent(self._running)
+            self._expired(step.expired)
+            plan = step.plan
             if plan is not None:
-                plan.urgent = True
-                self.num_preemptions += 1
                 metrics.PREEMPTIONS.inc()
         except Exception:  # noqa: BLE001 - nobody reads this coroutine's result
             logger.exception("forming an urgent batch failed")
@@ -347,10 +307,7 @@ class FlowEngine:
             ask.deliver(plan)
 
     def _finish(self, plan: Plan, result, exc: Exception | None, started: float) -> None:
-        done = time.monotonic()
-        self.scheduler.mark_busy_until(done)
-        self.scheduler.finished(plan.calls, done)
-        self.num_batches += 1
+        done = self.core.finish(plan, None if exc is not None else result[2])
         n = len(plan.calls)
         metrics.BATCH_SIZE.observe(n)
         metrics.BATCH_PADDED_FRAMES.observe(plan.num_padded_frames)
@@ -367,7 +324,6 @@ class FlowEngine:
             return
         outputs, compute_s, own_s = result
         metrics.COMPUTE.observe(own_s)  # GPU time of this batch alone: the sum stays <= wall
-        self.cost.observe(n, plan.padded_len, own_s)
         metrics.CAPACITY.set(self.cost.capacity_frames_per_s)
         late = sum(c.due < done for c in plan.calls)
         if late:
@@ -377,7 +333,7 @@ class FlowEngine:
             logger.info(
                 "batch %d%s: %d reqs, T %d..%d, padded %d, efficiency %.2f, first-chunks %d, "
                 "%.1f ms",
-                self.num_batches,
+                self.core.num_batches,
                 " (urgent, between steps)" if plan.urgent else "",
                 n,
                 lengths[0],
@@ -409,12 +365,11 @@ class FlowEngine:
             return
         self.device_lost = exc
         metrics.GPU_FAULTS.labels("device_lost").inc()
-        logger.critical("device lost (%s); failing %d waiting calls", exc, len(self.scheduler))
-        for call in self.scheduler.waiting:
+        logger.critical("device lost (%s); failing %d waiting calls", exc, len(self.core))
+        for call in self.core.clear():
             call.status = CallStatus.DONE
             self._fail(call, Unavailable("this flow replica lost its GPU; retry another"))
-        self.scheduler.waiting.clear()
-        self._queue_changed()
+        metrics.QUEUE_DEPTH.set(0)
         if self.on_device_lost is not None:
             self.on_device_lost(exc)
 

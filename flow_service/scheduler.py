@@ -106,6 +106,17 @@ class PendingCall:
         return (not self.is_first_chunk, self.deadline, self.arrival, self.call_id)
 
 
+@dataclass(frozen=True)
+class QueueView:
+    """The queue as `Scheduler.preempt_due` reads it: first chunks without a deadline
+    waiting (preempting as before deadlines), the earliest latest start and the earliest due
+    of the waiting calls (math.inf: none, or deadlines off)."""
+
+    first_chunks_waiting: int = 0
+    latest_start: float = math.inf
+    min_due: float = math.inf
+
+
 @dataclass
 class Plan:
     calls: list[PendingCall]  # [num_reqs] slot i of the batch is calls[i]
@@ -200,6 +211,10 @@ class Scheduler:
         return min(min(c.arrival for c in self.waiting) + wait, self.latest_start())
 
     def _by_slack(self) -> bool:
+        """Whether the queue is in slack order (some waiting call has a playback deadline and
+        deadlines are on) or in the first-chunks-first order: the one for calls without a
+        deadline (clients that send no slack_ms, a gateway with --deadlines=false, this
+        service with --deadline-scheduling=false), which preempt as first chunks."""
         return (
             self.cost is not None
             and self.policy.deadline_scheduling
@@ -244,18 +259,30 @@ class Scheduler:
             return math.inf
         return min(c.due for c in self.waiting)
 
+    def view(self) -> QueueView:
+        """What `preempt_due` reads of the queue, as one value another thread may hold."""
+        return QueueView(self.num_first_chunks_waiting, self.latest_start(), self.min_due())
+
     def preempt_due(
-        self, now: float, step_s: float, remaining_s: float, running_due: float = math.inf
+        self,
+        now: float,
+        step_s: float,
+        remaining_s: float,
+        running_due: float = math.inf,
+        view: QueueView | None = None,
     ) -> bool:
         """Between two solver steps of a running batch (one step `step_s`, `remaining_s` of it
         left, its earliest row due at `running_due`): whether to ask for an urgent batch now.
-        Yes when a waiting call could not wait for the rest of the batch and still make its
-        deadline, and it is due before the running rows (earliest deadline first: a batch
-        is only overtaken by work more urgent than its own)."""
-        if self.num_first_chunks_waiting:
+        Yes when a first chunk without a deadline waits, or when a waiting call could not wait
+        for the rest of the batch and still make its deadline and it is due before the
+        running rows (earliest deadline first: a batch is only overtaken by work more urgent
+        than its own). `view`: the queue as `view()` saw it (the engine's runner thread asks
+        while the loop thread changes the queue); None: the queue now."""
+        q = self.view() if view is None else view
+        if q.first_chunks_waiting:
             return True
         wait = max(step_s, remaining_s)
-        return now + wait >= self.latest_start() and self.min_due() < running_due
+        return now + wait >= q.latest_start and q.min_due < running_due
 
     def urgent_slack(self, step_s: float, remaining_s: float) -> float:
         """The slack below which waiting work goes between the steps of the running batch:

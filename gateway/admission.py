@@ -33,12 +33,15 @@ the admitted rate settles just under what the stack keeps on time.
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 from gateway import metrics
+from gateway.deadlines import DeadlineConfig, PlaybackClock
+from gateway.schedule import ChunkPlanner, FlowCall
 from token2wav.errors import ResourceExhausted
 
 
@@ -72,6 +75,34 @@ class Workload(Protocol):
     def remaining_work(self, now: float, expected_tokens: int) -> list[tuple[float, int]]:
         """(deadline, frames) of the stream's flow work still to do, assuming
         `expected_tokens` in all while its input is open."""
+
+
+def remaining_work(
+    planner: ChunkPlanner,
+    playback: PlaybackClock | None,
+    num_prompt_tokens: int,
+    in_flight: Iterable[tuple[FlowCall, float | None, float]],
+    num_tokens: int,
+    ended: bool,
+    now: float,
+    expected_tokens: int,
+) -> list[tuple[float, int]]:
+    """(deadline, DiT frames) of every flow call a stream still needs: `in_flight`, its calls
+    planned and not answered, as (chunk, the due sent with it or None, when its tokens were
+    in); then the chunks `planner` (left as it is) will still make, up to `num_tokens` (input
+    `ended`) or `expected_tokens` (input open). Without `playback` (deadlines off) the
+    deadlines are projected with the default `DeadlineConfig`."""
+    clock = playback or PlaybackClock(DeadlineConfig())
+    items = []
+    for chunk, due, ready_at in in_flight:
+        if due is None:
+            due = clock.due(chunk, ready_at, project=True)
+        items.append((due, chunk.num_seq_frames(num_prompt_tokens)))
+    planner = copy.copy(planner)
+    total = num_tokens if ended else max(expected_tokens, num_tokens + 1)
+    while (chunk := planner.next_call(total, True)) is not None:
+        items.append((clock.due(chunk, now, project=True), chunk.num_seq_frames(num_prompt_tokens)))
+    return items
 
 
 class CapacityBoard:

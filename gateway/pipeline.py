@@ -18,7 +18,6 @@ The handler yields audio from a bounded queue, so a slow client slows its own st
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import math
 import time
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from gateway.admission import remaining_work
 from gateway.deadlines import DeadlineConfig, PlaybackClock, slack_ms
 from gateway.downstream import FlowClient, FlowOutput, downstream_error
 from gateway.failover import SessionLost, count_failover, detach, lost_reason
@@ -523,28 +523,24 @@ class StreamPipeline:
 
     # -- admission's view ---------------------------------------------------------------------
     def remaining_work(self, now: float, expected_tokens: int) -> list[tuple[float, int]]:
-        """(deadline, DiT frames) of every flow call this stream still needs: those out or
-        planned and not answered, then the chunks its schedule will still make, up to the
-        tokens received (input ended) or `expected_tokens` (input open)."""
+        """(deadline, DiT frames) of every flow call this stream still needs, as admission
+        counts them (gateway/admission.py `remaining_work`)."""
+        in_flight = [
+            (planned.result(), self._due.get(seq), self._ready_at[seq])
+            for seq, planned in list(self._flow_calls.items())
+            if planned.done() and not (seq in self._mels and self._mels[seq].done())
+        ]
         n_p = self.setup.voice.num_prompt_tokens
-        clock = self.playback or PlaybackClock(DeadlineConfig())
-        items = []
-        for seq, planned in list(self._flow_calls.items()):
-            if not planned.done():
-                continue  # a vocoder session waits for it; not planned yet
-            chunk = planned.result()
-            fut = self._mels.get(seq)
-            if fut is None or not fut.done():
-                due = self._due.get(seq)
-                if due is None:
-                    due = clock.due(chunk, self._ready_at[seq], project=True)
-                items.append((due, chunk.num_seq_frames(n_p)))
-        planner = copy.copy(self.planner)
-        total = self.num_tokens if self.ended else max(expected_tokens, self.num_tokens + 1)
-        while (chunk := planner.next_call(total, True)) is not None:
-            due = clock.due(chunk, now, project=True)
-            items.append((due, chunk.num_seq_frames(n_p)))
-        return items
+        return remaining_work(
+            self.planner,
+            self.playback,
+            n_p,
+            in_flight,
+            self.num_tokens,
+            self.ended,
+            now,
+            expected_tokens,
+        )
 
     # -- the whole stream --------------------------------------------------------------------
     async def run(self, requests: AsyncIterator) -> AsyncIterator[gateway_pb2.SynthesizeResponse]:

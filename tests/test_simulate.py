@@ -7,26 +7,24 @@ from __future__ import annotations
 import math
 
 import pytest
-from test_deadlines import FakeCost, FakeStream
+from test_deadlines import FakeCost
 
 from bench.metrics import excess_buffer_ms
 from bench.simulate import (
-    PROFILE_MS,
     FlowCostFit,
     SimConfig,
     Simulation,
     VocoderCostFit,
-    WorstCaseAdmission,
-    _AdmissionView,
-    capacity,
+    _Admitted,
     closed_loop,
     overload,
     poisson,
     profile_model,
+    profiled_ms,
     replace,
 )
 from flow_service.scheduler import BatchPolicy, PendingCall, Plan, Scheduler
-from gateway.admission import AdmissionConfig, AdmissionController, CapacityBoard
+from gateway.admission import AdmissionConfig
 from gateway.deadlines import DeadlineConfig
 from gateway.schedule import LOOKAHEAD_TOKENS, FlowCall
 from token2wav import SAMPLE_RATE
@@ -213,7 +211,7 @@ def test_eager_cost_fit_matches_the_profiled_batches_where_compute_bound():
     measurements spread 214-406 ms) it is within 6 % of every one of them."""
     fit = FlowCostFit()
     checked = 0
-    for rows, measured in PROFILE_MS.items():
+    for rows, measured in profiled_ms().items():
         if rows < 32:
             continue
         for kind, (meas, model) in enumerate(zip(measured, profile_model(fit, rows))):
@@ -356,78 +354,44 @@ def test_vocoder_batches_take_gpu_time_from_the_flow():
     )
 
 
-def test_knob_capacity_is_the_last_rate_passing_before_the_first_failure():
-    probes = [{"rate": r, "passed": ok} for r, ok in [(5.0, False), (3.0, True), (4.0, True)]]
-    assert capacity(probes) == 4.0
-    # a pass above a failure does not count (the bench's search stops at the first failure)
-    probes += [{"rate": 6.0, "passed": True}]
-    assert capacity(probes) == 4.0
-    assert capacity([{"rate": 3.0, "passed": False}]) == 0.0
-
-
-def admitting(headroom: float = 0.8, rule=AdmissionController) -> SimConfig:
+def admitting(headroom: float = 0.8) -> SimConfig:
     return SimConfig(
-        gateways=1,
-        start_buffer_s=0.24,
-        admission=AdmissionConfig(enabled=True, headroom=headroom),
-        admission_rule=rule,
+        gateways=1, start_buffer_s=0.24, admission=AdmissionConfig(enabled=True, headroom=headroom)
     )
 
 
-def test_admission_sees_a_stream_through_the_pipelines_own_remaining_work():
-    """The simulation's admission view is StreamPipeline.remaining_work itself: at open (no
-    tokens yet, input open) a stream lists the chunk schedule of `expected_tokens`, its first
-    chunk due a first-chunk target from now; then its planned calls until answered."""
+def test_admission_sees_a_stream_through_the_gateways_remaining_work():
+    """The simulation's streams list their work by gateway/admission.py `remaining_work`, as
+    StreamPipeline does: at open (no tokens yet, input open) the chunk schedule of
+    `expected_tokens`, its first chunk due a first-chunk target from now; then its planned
+    calls until answered."""
     sim = Simulation(admitting())
     sim.add_stream("a", 0.0, 0.0)
     s = sim.streams[0]
-    view = _AdmissionView(s, 75)
-    items = view.remaining_work(0.0, 250)
+    items = _Admitted(s, 75).remaining_work(0.0, 250)
     # DiT sequence frames, the flow's capacity unit: lookahead tokens are context, not frames
     assert [f for _, f in items] == [200, 300, 500, 650]
     dl = DeadlineConfig()
     assert items[0][0] == pytest.approx(dl.first_chunk_target_s - dl.margin_s)
     assert [d for d, _ in items] == sorted(d for d, _ in items)
     sim.clock.run(until=0.0)  # admitted at open; all 250 tokens in
-    assert s.view is not None and sim.admission[0].streams == {s.view}
-    assert [f for _, f in s.view.remaining_work(0.0, 250)] == [200, 300, 500, 650]
+    assert s.admitted is not None and sim.admission[0].streams == {s.admitted}
+    assert [f for _, f in s.admitted.remaining_work(0.0, 250)] == [200, 300, 500, 650]
     sim.run()
     assert s.rec.final_seen and not sim.admission[0].streams  # released at its last chunk
-    assert s.view is None
+    assert s.admitted is None
     assert sim.boards[0].total(60.0) == sim.cost.capacity_frames_per_s > 0
 
 
 def test_overload_admission_refuses_some_and_keeps_more_of_the_admitted_on_time():
     """Poisson at ~2 x the at-once capacity for 20 s through one gateway: admission refuses
-    streams, and the admitted ones are on time far more often than with every stream let in.
-    Pooled over seeds 0-2 at headroom 0.8, today's item-by-item rule keeps a larger share of
-    its admitted streams on time than the pre-080b335 worst-against-worst rule (the model's
-    word; at headroom 0.6 the two come out alike, docs/bench/2026-12-03-capacity-runs.md)."""
+    streams, and the admitted ones are on time far more often than with every stream let in
+    (pooled over seeds 0-2 at headroom 0.8)."""
     rate = 18.75
     everyone = overload(SimConfig(gateways=1, start_buffer_s=0.24), rate, 20.0, seed=0)
     assert everyone["refused"] == 0
-    shares = {}
-    for rule in (AdmissionController, WorstCaseAdmission):
-        runs = [overload(admitting(0.8, rule), rate, 20.0, seed=seed) for seed in range(3)]
-        assert all(0 < r["refused"] < r["streams"] for r in runs)
-        assert all(r["admitted"] + r["refused"] == r["streams"] for r in runs)
-        shares[rule] = sum(r["on_time"] for r in runs) / sum(r["admitted"] for r in runs)
-    assert shares[AdmissionController] > shares[WorstCaseAdmission]
-    assert shares[AdmissionController] > everyone["on_time_share"] + 0.2
-
-
-def test_worst_case_rule_admits_a_newcomer_late_behind_a_late_stream_as_before_080b335():
-    """The comparison rule: with one admitted chunk 0.5 s late, a newcomer that would itself
-    finish 0.45 s late leaves the worst lateness unchanged, so the old rule admitted it; the
-    gateway's rule refuses it. Both refuse one that makes the late chunk later."""
-    board = CapacityBoard(clock=lambda: 0.0)
-    board.report("flow", 1000.0)
-    cfg = AdmissionConfig(enabled=True, headroom=1.0, tolerance_s=0.02)
-    old = WorstCaseAdmission(cfg, board, clock=lambda: 0.0)
-    new = AdmissionController(cfg, board, clock=lambda: 0.0)
-    for ctl in (old, new):
-        ctl.streams.add(FakeStream([(0.0, 500)]))  # finishes at 0.5 s
-    behind = FakeStream([(0.15, 100)])  # finishes at 0.6 s
-    assert old.check(behind)[0] and not new.check(behind)[0]
-    ahead = FakeStream([(0.0, 100)])  # served first: the late chunk finishes at 0.6 s
-    assert not old.check(ahead)[0] and not new.check(ahead)[0]
+    runs = [overload(admitting(0.8), rate, 20.0, seed=seed) for seed in range(3)]
+    assert all(0 < r["refused"] < r["streams"] for r in runs)
+    assert all(r["admitted"] + r["refused"] == r["streams"] for r in runs)
+    share = sum(r["on_time"] for r in runs) / sum(r["admitted"] for r in runs)
+    assert share > everyone["on_time_share"] + 0.2
