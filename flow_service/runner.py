@@ -162,8 +162,11 @@ class FlowRunner:
     async def warmup(self, requests: list[FlowRequest]) -> None:
         """Run the model off the loop (kernels, allocator, CUDA graphs) before SERVING."""
         loop = asyncio.get_running_loop()
-        for batch in [requests, *self.graph_warmup_requests()]:
-            await loop.run_in_executor(self.executor, self.generate, batch)
+        await loop.run_in_executor(self.executor, self.generate, requests)
+        for batch in self.graph_warmup_requests():
+            # without the cache: these capture the graphs of batches that do not read it
+            # (final calls, or the cache off), which the prefix path would otherwise take
+            await loop.run_in_executor(self.executor, self.generate, batch, None, False)
         if self.prefix_graphs is not None:
             await loop.run_in_executor(self.executor, self.capture_prefix_graphs)
         if self.graphs is not None:
@@ -202,9 +205,12 @@ class FlowRunner:
 
     # -- the worker thread -------------------------------------------------------------------
     def generate(
-        self, requests: list[FlowRequest], ask_engine: BetweenSteps | None = None
+        self,
+        requests: list[FlowRequest],
+        ask_engine: BetweenSteps | None = None,
+        use_cache: bool = True,
     ) -> list[torch.Tensor]:
-        cache = self.prefix_cache
+        cache = self.prefix_cache if use_cache else None
         if self.stream is None:
             hook = self._hook(ask_engine, sync_every_step=False)
             return self.model.generate(requests, between_steps=hook, prefix_cache=cache)

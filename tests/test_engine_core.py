@@ -140,7 +140,8 @@ class FixedCostRunner(FlowRunner):
         before the clock moves on, as it does at once on an idle CPU."""
         asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.loop).result(10)
 
-    def generate(self, requests, between_steps=None):
+    def generate(self, requests, ask_engine=None, use_cache=True):
+        between_steps = self._hook(ask_engine, sync_every_step=False)
         self.depth += 1
         try:
             started = self.clock.now
