@@ -537,3 +537,45 @@ def test_graph_max_frames_flag():
     with pytest.raises(ValueError, match="--graph-max-frames: -1, want >= 0"):
         FlowConfig.from_args(parser.parse_args(["--graph-max-frames", "-1"]))
     assert "--graph-max-frames" in parser.format_help()
+
+
+def test_indexed_kv_ops_per_layer(model, monkeypatch):
+    """What a prefix graph runs per layer and step to move keys/values (each op a kernel on a
+    GPU, and the per-step kernel count is what bounds a small graphed solve): one gather of the
+    prefix, three copies into [prefix | queries], one copy and one scatter for the stored blocks.
+    The pool rows come in precomputed: no index arithmetic per layer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import flow_service.model.prefix_cache as pc
+
+    ops: Counter = Counter()
+    inside = [False]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            # reshape is a view op by schema, but copies here (the stored blocks' layout)
+            if inside[0] and (not func.is_view or name == "reshape"):
+                ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    assemble = pc.IndexedKV._assemble
+
+    def counted(self, *args):
+        inside[0] = True
+        try:
+            return assemble(self, *args)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(pc.IndexedKV, "_assemble", counted)
+    streams = [stream_calls(make_voice(70 + i, 35), f"n{i}", 230, seed=150 + i) for i in range(2)]
+    cache = new_cache(model, share_voice_blocks=False)
+    step = pc.PrefixStep(model.decoder.estimator, cache)
+    model.generate([s[0] for s in streams], prefix_cache=cache, prefix_step=step)
+    with Count():
+        model.generate([s[1] for s in streams], prefix_cache=cache, prefix_step=step)
+    assert cache.stats["hits"] == 2
+    per_step = {"new_empty": 1, "index_select": 1, "copy_": 3, "reshape": 1, "index_copy_": 1}
+    want = {name: n * cache.num_steps * cache.depth for name, n in per_step.items()}
+    assert dict(ops) == want, dict(ops)

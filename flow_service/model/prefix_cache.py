@@ -605,45 +605,53 @@ class IndexedKV:
     the query frames (Q is a whole number of blocks) go to `store_blocks` (the trash block
     where a row stores nothing)."""
 
-    def __init__(self, pool, read_blocks, store_blocks, step_offset):
+    def __init__(self, pool, read_rows, store_rows):
         # pool (steps, L, 2, N, 2, blk, d) as rows of (2, blk, d): row ((s L + l) 2 + kv) N + n
-        self.num_blocks = pool.shape[3]
         self.rows = pool.view(-1, *pool.shape[4:])
-        self.read_blocks = read_blocks  # (b, P / blk) long
-        self.store_blocks = store_blocks  # (b, Q / blk) long
-        self.step_offset = step_offset  # (1,) long: s L 2 N, the current solver step's rows
+        # pool rows of the current step (`pool_rows`), computed outside: no index arithmetic
+        # in the graph
+        self.read_rows = read_rows  # (L, {K, V}, b, P / blk) long
+        self.store_rows = store_rows  # (L, {K, V}, b, Q / blk) long
+
+    @staticmethod
+    def pool_rows(cache: PrefixCache, blocks: torch.Tensor) -> torch.Tensor:
+        """(L, {K, V}, b, n) pool rows of block ids `blocks` (b, n) at solver step 0; step s
+        adds s x `step_rows(cache)`."""
+        num = cache.capacity + 2
+        layer_kv = torch.arange(2 * cache.depth, device=blocks.device).view(cache.depth, 2)
+        return layer_kv[..., None, None] * num + blocks
+
+    @staticmethod
+    def step_rows(cache: PrefixCache) -> int:
+        return cache.depth * 2 * (cache.capacity + 2)
 
     def layer(self, index: int) -> Callable:
         return lambda k, v: self._assemble(index, k, v)
 
-    def _index(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
-        kv = torch.arange(2, device=blocks.device)[:, None, None]  # K, V
-        return (self.step_offset + (2 * layer + kv) * self.num_blocks + blocks).flatten()
-
     def _assemble(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         r, q, d = k.shape
-        b, n_p = self.read_blocks.shape
+        _, b, n_p = self.read_rows.shape[1:]
         blk = self.rows.shape[2]
         p = n_p * blk
         out = k.new_empty(2, r, p + q, d)  # K, V
-        prefix = self.rows.index_select(0, self._index(layer, self.read_blocks))
+        prefix = self.rows.index_select(0, self.read_rows[layer].flatten())
         prefix = prefix.view(2, b, n_p, 2, blk, d).permute(0, 3, 1, 2, 4, 5)  # K/V, cfg, b, ...
         out[:, :, :p].view(2, 2, b, n_p, blk, d).copy_(prefix)
         out[0, :, p:].copy_(k)
         out[1, :, p:].copy_(v)
         n_q = q // blk
         new = out[:, :, p:].view(2, 2, b, n_q, blk, d).permute(0, 2, 3, 1, 4, 5)
-        self.rows.index_copy_(0, self._index(layer, self.store_blocks), new.reshape(-1, 2, blk, d))
+        self.rows.index_copy_(0, self.store_rows[layer].flatten(), new.reshape(-1, 2, blk, d))
         return out[0], out[1]
 
 
 class PrefixStep:
     """One solver step of a prefix solve in the `IndexedKV` layout, as a function of tensors
     only (what `GraphedEstimator` captures): x, mu, cond, spks, tau, bias, frame_mask as the
-    DiT takes them over the window (context + Q frames), then keep, the rotary tables, the
-    row's read and store blocks and the step's row offset."""
+    DiT takes them over the window (context + Q frames), then keep, the rotary tables, and the
+    pool rows the step reads and stores (`IndexedKV.pool_rows`)."""
 
-    ALWAYS_COPY = (0, 4, 12)  # x, tau and the step change every step
+    ALWAYS_COPY = (0, 4, 10, 11)  # x, tau and the step's pool rows change every step
 
     def __init__(self, dit, cache: PrefixCache):
         self.dit = dit
@@ -673,13 +681,16 @@ class PrefixStep:
             torch.ones(r, w, 1, dtype=dtype, device=dev),
             cos,
             sin,
-            torch.full((num_rows, blocks[0]), cache.zero_block, device=dev),
-            torch.full((num_rows, blocks[1]), cache.trash_block, device=dev),
-            torch.zeros(1, dtype=torch.long, device=dev),
+            IndexedKV.pool_rows(
+                cache, torch.full((num_rows, blocks[0]), cache.zero_block, device=dev)
+            ),
+            IndexedKV.pool_rows(
+                cache, torch.full((num_rows, blocks[1]), cache.trash_block, device=dev)
+            ),
         ]
 
-    def __call__(self, x, mu, cond, spks, tau, bias, frame_mask, keep, cos, sin, read, store, step):
-        kv = IndexedKV(self.cache.pool(), read, store, step)
+    def __call__(self, x, mu, cond, spks, tau, bias, frame_mask, keep, cos, sin, read, store):
+        kv = IndexedKV(self.cache.pool(), read, store)
         ctx = DiTPrefix(self.context, keep, (cos, sin), kv)
         return self.dit(x, mu, cond, spks, tau, bias, frame_mask, prefix=ctx)
 
@@ -779,8 +790,9 @@ def solve_with_prefix(
         for i, row in enumerate(plan.rows):
             read[i, : len(row.read)] = torch.tensor(row.read, dtype=torch.long)
             store[i, : len(row.new)] = torch.tensor(row.new, dtype=torch.long)
-        read, store = read.to(dev), store.to(dev)
-        step_rows = dit.cfg.depth * 2 * (cache.capacity + 2)
+        read = IndexedKV.pool_rows(cache, read.to(dev))
+        store = IndexedKV.pool_rows(cache, store.to(dev))
+        step_rows = IndexedKV.step_rows(cache)
     mu_in = torch.cat((mu_w, torch.zeros_like(mu_w)))
     cond_in = torch.cat((cond_w, torch.zeros_like(cond_w)))
     spks_in = torch.cat((spks, torch.zeros_like(spks)))
@@ -796,8 +808,7 @@ def solve_with_prefix(
             kv.step = k
             v = dit(x_in, mu_in, cond_in, spks_in, t_in, bias, frame_mask, prefix=ctx)
         else:
-            offset = torch.full((1,), k * step_rows, dtype=torch.long, device=dev)
-            args = (keep, cos, sin, read, store, offset)
+            args = (keep, cos, sin, read + k * step_rows, store + k * step_rows)
             v = step(x_in, mu_in, cond_in, spks_in, t_in, bias, frame_mask, *args)
         v = v.float()
         x = x + dtau * ((1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:])
