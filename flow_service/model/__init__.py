@@ -17,13 +17,7 @@ from flow_service.model.config import (
     FlowConfig,
 )
 from flow_service.model.dit import DiT, DiTKernels, attention_bias
-from flow_service.model.flow import (
-    BatchIntegrityError,
-    FlowBatch,
-    FlowModel,
-    cosine_schedule,
-    noise_buffer,
-)
+from flow_service.model.flow import BatchIntegrityError, FlowBatch, FlowModel
 from flow_service.model.graphs import GraphedEstimator
 from flow_service.model.loading import (
     CheckpointError,
@@ -40,6 +34,7 @@ from flow_service.model.requests import (
     validate_request,
     validate_voice,
 )
+from flow_service.model.solver import cosine_schedule, noise_buffer
 
 __all__ = [
     "BLOCK_FRAMES",

@@ -20,7 +20,6 @@ The flow time is `tau` (shape (r,)), its increment `dtau`, the guidance weight `
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -28,10 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flow_service.model.config import MEL_BINS, NOISE_SEED, FlowConfig
+from flow_service.model.config import MEL_BINS, FlowConfig
 from flow_service.model.dit import DiT
 from flow_service.model.prefix_cache import PrefixCache, PrefixPlan, solve_with_prefix
 from flow_service.model.requests import FlowRequest, validate_request
+from flow_service.model.solver import cosine_schedule, euler_cfg, noise_buffer
 from token2wav.invalid import InvalidInput
 
 # (x, mu, cond, spks, tau, attn_bias, frame_mask) -> velocity; the DiT itself or a graphed replay
@@ -40,43 +40,6 @@ Estimator = Callable[..., torch.Tensor]
 
 class BatchIntegrityError(RuntimeError):
     """A batch result could not be matched to its request slot (docs/DESIGN.md, invariant 5)."""
-
-
-_noise_lock = threading.Lock()
-_noise_by_device: dict[str, torch.Tensor] = {}  # device -> (MAX_FRAMES, c) fp32
-
-
-def noise_buffer(device: torch.device | str, max_frames: int) -> torch.Tensor:
-    """Upstream's fixed flow noise as (frames, c) fp32: column i of randn(1, 80, 15000) drawn
-    right after seeding the CPU generator with 0 (docs/REFERENCE.md §3.1). Frame i of prompt + target always
-    starts from row i, whatever the batch (invariant 2)."""
-    key = str(torch.device(device))
-    buf = _noise_by_device.get(key)
-    if buf is None or buf.shape[0] < max_frames:
-        with _noise_lock:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(NOISE_SEED)
-            z = torch.randn((1, MEL_BINS, max_frames), generator=gen)  # exactly upstream's draw
-            buf = z[0].T.contiguous().to(device)  # (frames, c)
-            _noise_by_device[key] = buf
-    return buf
-
-
-def cosine_schedule(num_steps: int) -> list[tuple[float, float]]:
-    """(tau_i, dtau_i) per Euler step, as upstream computes them in fp32:
-    tau_span = 1 - cos(pi/2 u), u = linspace(0, 1); the running tau accumulates dtau, and the
-    next dtau is tau_span[i+1] - tau. Computed on the CPU so every device and batch gets
-    identical step values."""
-    u = torch.linspace(0, 1, num_steps + 1, dtype=torch.float32, device="cpu")
-    tau_span = 1 - torch.cos(u * 0.5 * torch.pi)
-    tau, dtau = tau_span[0], tau_span[1] - tau_span[0]
-    steps = []
-    for i in range(1, num_steps + 1):
-        steps.append((float(tau), float(dtau)))
-        tau = tau + dtau
-        if i < num_steps:
-            dtau = tau_span[i + 1] - tau
-    return steps
 
 
 class PreLookaheadLayer(nn.Module):
@@ -133,18 +96,14 @@ class CFMDecoder(nn.Module):
         mu_in = torch.cat((mu, torch.zeros_like(mu)))  # (r, t, c)
         cond_in = torch.cat((cond, torch.zeros_like(cond)))  # (r, t, c)
         spks_in = torch.cat((spks, torch.zeros_like(spks)))  # (r, c)
-        cfg_rate = self.cfg_rate
-        x = noise
-        for step, (tau, dtau) in enumerate(self.steps):
+
+        def velocity(step: int, tau: float, x: torch.Tensor) -> torch.Tensor:
             # fresh per step, never filled in place: graph runners may skip re-copying an input
             tau_in = torch.full((2 * b,), tau, dtype=torch.float32, device=mu.device)
             x_in = torch.cat((x, x)).to(dtype)  # (r, t, c)
-            v = run(x_in, mu_in, cond_in, spks_in, tau_in, attn_bias, frame_mask).float()
-            v_cond, v_uncond = v[:b], v[b:]
-            x = x + dtau * ((1.0 + cfg_rate) * v_cond - cfg_rate * v_uncond)
-            if between_steps is not None and step + 1 < len(self.steps):
-                between_steps()
-        return x
+            return run(x_in, mu_in, cond_in, spks_in, tau_in, attn_bias, frame_mask)
+
+        return euler_cfg(noise, self.steps, self.cfg_rate, velocity, between_steps)
 
 
 @dataclass

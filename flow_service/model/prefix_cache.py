@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flow_service.model.requests import FlowRequest
+from flow_service.model.solver import euler_cfg, noise_buffer
 
 
 def voice_fingerprint(req: FlowRequest) -> bytes:
@@ -728,8 +729,6 @@ def solve_with_prefix(
     `step`: a `PrefixStep` (or its `GraphedEstimator`) runs each step in the `IndexedKV`
     layout, with the prefix padded to a multiple of `prefix_multiple` frames and the queries
     to whole blocks, so that shapes repeat; else the DiT runs eagerly with `_KVAssembler`."""
-    from flow_service.model.flow import noise_buffer  # flow.py imports this module
-
     dec = model.decoder
     dit = dec.estimator
     cache = plan.cache
@@ -796,9 +795,9 @@ def solve_with_prefix(
     mu_in = torch.cat((mu_w, torch.zeros_like(mu_w)))
     cond_in = torch.cat((cond_w, torch.zeros_like(cond_w)))
     spks_in = torch.cat((spks, torch.zeros_like(spks)))
-    cfg_rate = dec.cfg_rate
     xs = []
-    for k, (tau, dtau) in enumerate(dec.steps):
+
+    def velocity(k: int, tau: float, x: torch.Tensor) -> torch.Tensor:
         t_in = torch.full((2 * b,), tau, dtype=torch.float32, device=dev)
         x_q = x.to(dtype)
         xs.append(x_q)
@@ -806,14 +805,11 @@ def solve_with_prefix(
         x_in = torch.cat((x_w, x_w))
         if step is None:
             kv.step = k
-            v = dit(x_in, mu_in, cond_in, spks_in, t_in, bias, frame_mask, prefix=ctx)
-        else:
-            args = (keep, cos, sin, read + k * step_rows, store + k * step_rows)
-            v = step(x_in, mu_in, cond_in, spks_in, t_in, bias, frame_mask, *args)
-        v = v.float()
-        x = x + dtau * ((1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:])
-        if between_steps is not None and k + 1 < steps:
-            between_steps()
+            return dit(x_in, mu_in, cond_in, spks_in, t_in, bias, frame_mask, prefix=ctx)
+        args = (keep, cos, sin, read + k * step_rows, store + k * step_rows)
+        return step(x_in, mu_in, cond_in, spks_in, t_in, bias, frame_mask, *args)
+
+    x = euler_cfg(x, dec.steps, dec.cfg_rate, velocity, between_steps)
     x_steps = torch.stack(xs)  # (steps, b, q, c)
     new_x = [x_steps[:, i] if row.new else None for i, row in enumerate(plan.rows)]
     return x, new_x
