@@ -3,14 +3,16 @@
     python -m bench gateway-overhead --streams 64            # CPU is enough
     python -m bench gateway-overhead --streams 64 --profile out/gw.prof
     python -m bench gateway-overhead --streams 64 --gateways 4  # streams round robin
+    python -m bench gateway-overhead --streams 64 --pace 50 --gateway-arg=--block-calls=true
 
 A real gateway process (`python -m gateway`, optionally under cProfile) in front of two
 stand-ins in this process that answer at once: a flow service whose mel is zeros of the right
 shape, and a vocoder that turns every mel frame into 480 zero samples. N streams open together
 (as the closed loop of `python -m bench` does), each with its own inline 3 s voice and all of
-its 250 tokens at once. Prints the client-measured first-chunk latency (tokens sent -> first
+its 250 tokens at once (or, with --pace, in bursts of 5 at that many tokens per second, as a
+language model sends them). Prints the client-measured first-chunk latency (tokens sent -> first
 audio) p50/p95/max, the time until every stream ended and the gateway processes' CPU time per
-stream (user + system, all threads, from /proc; Linux only): on the GPU host the same time sits
+stream (user + system, all threads, from /proc; Linux only) and the flow calls per stream: on the GPU host the same time sits
 in the "gateway" and "wire" stages of the stage attribution, on top of the models. With
 --gateways N, N gateway processes share the streams (stream i: gateway i mod N), as replicas
 behind a load balancer would; the client and the stand-ins stay one process.
@@ -43,7 +45,10 @@ SAMPLES_PER_FRAME = 480
 
 
 class InstantFlow(flow_pb2_grpc.FlowServicer):
+    calls = 0
+
     async def Generate(self, request, context):
+        InstantFlow.calls += 1
         n = request.tokens.shape[0]
         end = n if request.finalize else n - LOOKAHEAD
         frames = 2 * (end - request.token_offset)
@@ -96,15 +101,27 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def one_stream(client: AsyncClient, voice, tokens) -> tuple[float, float]:
+BURST = 5  # tokens per message when paced
+
+
+async def one_stream(client: AsyncClient, voice, tokens, pace: float = 0.0) -> tuple[float, float]:
     stream = client.stream(voice, audio_format="pcm16")
     sent = time.perf_counter()
-    await stream.send(tokens)
-    await stream.end()
+
+    async def send() -> None:
+        if not pace:
+            await stream.send(tokens)
+        for i in range(0, len(tokens) if pace else 0, BURST):
+            await asyncio.sleep(max(0.0, sent + i / pace - time.perf_counter()))
+            await stream.send(tokens[i : i + BURST])
+        await stream.end()
+
+    sender = asyncio.ensure_future(send())
     first = None
     async for chunk in stream:
         if first is None:
             first = chunk.received_at - sent
+    await sender
     return first, time.perf_counter() - sent
 
 
@@ -119,7 +136,7 @@ async def main_async(a: argparse.Namespace) -> list[dict]:
             cmd += ["-m", "cProfile", "-o", a.profile + (f".{i}" if i else "")]
         cmd += ["-m", "gateway", "--port", str(port), "--metrics-port", "0"]
         cmd += ["--flow-addr", f"127.0.0.1:{flow_port}", "--vocoder-addr", f"127.0.0.1:{voc_port}"]
-        cmd += ["--max-streams", str(max(256, 2 * a.streams))]
+        cmd += ["--max-streams", str(max(256, 2 * a.streams)), *a.gateway_arg]
         gws.append(subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1")))
     try:
         async with contextlib.AsyncExitStack() as stack:
@@ -139,22 +156,32 @@ async def main_async(a: argparse.Namespace) -> list[dict]:
             rounds = []
             for rnd in range(a.rounds):
                 cpu0 = sum(cpu_seconds(gw.pid) for gw in gws)
+                calls0 = InstantFlow.calls
                 t0 = time.perf_counter()
                 res = await asyncio.gather(
                     *(
-                        one_stream(clients[i % len(clients)], voices[i], tokens[i])
+                        one_stream(clients[i % len(clients)], voices[i], tokens[i], a.pace)
                         for i in range(a.streams)
                     )
                 )
                 wall = time.perf_counter() - t0
                 cpu_ms = (sum(cpu_seconds(gw.pid) for gw in gws) - cpu0) * 1e3 / a.streams
+                calls = (InstantFlow.calls - calls0) / a.streams
                 first = sorted(r[0] * 1e3 for r in res)
                 p95 = first[min(len(first) - 1, int(0.95 * len(first)))]
-                rounds.append({"first_ms": first, "wall_ms": wall * 1e3, "gateway_cpu_ms": cpu_ms})
+                rounds.append(
+                    {
+                        "first_ms": first,
+                        "wall_ms": wall * 1e3,
+                        "gateway_cpu_ms": cpu_ms,
+                        "flow_calls": calls,
+                    }
+                )
                 print(
                     f"round {rnd}: {a.streams} streams over {len(ports)} gateway(s), first chunk p50 "
                     f"{statistics.median(first):.0f} ms, p95 {p95:.0f} ms, max {first[-1]:.0f} ms; "
-                    f"all ended after {wall * 1e3:.0f} ms; gateway CPU {cpu_ms:.1f} ms per stream",
+                    f"all ended after {wall * 1e3:.0f} ms; gateway CPU {cpu_ms:.1f} ms and "
+                    f"{calls:.1f} flow calls per stream",
                     flush=True,
                 )
         return rounds
@@ -175,7 +202,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--port", type=int, default=0, help="the gateway's port (0: a free one)")
     p.add_argument("--gateways", type=int, default=1, help="gateway processes, streams round robin")
     p.add_argument("--profile", default="", help="write the gateway's cProfile stats here")
+    p.add_argument("--pace", type=float, default=0.0, help="tokens per second (0: all at once)")
+    p.add_argument(
+        "--gateway-arg",
+        action="append",
+        default=[],
+        help="an extra flag for the gateways, e.g. --gateway-arg=--block-calls=true (repeatable)",
+    )
     a = p.parse_args(argv)
+    if a.pace < 0:
+        p.error(f"--pace: {a.pace}, want >= 0")
     if a.gateways < 1:
         p.error(f"--gateways: {a.gateways}, want >= 1")
     return asyncio.run(main_async(a))
