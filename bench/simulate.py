@@ -16,11 +16,13 @@ modelled:
                     flow's --graph-max-frames) of more rows x longest sequence than that, run
                     eagerly: unpadded, max(a ~300 ms launch floor, the compute of the frames
                     computed), fitted to bench/profile_prefix.py's H200 batches
-  prefix cache      per stream: the blocks its eager calls stored; an eager streaming call
-                    reads them up to its first returned frame and computes only the rest
-                    (attending over the whole sequence), storing its complete blocks; graphed
-                    calls store nothing, final calls recompute everything (the voice's shared
-                    prompt blocks are not modelled)
+  prefix cache      per stream: the blocks its calls stored; a streaming call reads them up to
+                    its first returned frame and computes only the rest (attending over the
+                    whole sequence), storing its complete blocks, eagerly or graphed (the
+                    runner's rule: a cached row's work counts half its prefix; a graphed one
+                    pays per row x padded prefix frame for the key/value moves, fitted to
+                    docs/bench/prefix-graphs-2026-12-04/profile_prefix_blocks.txt); final calls
+                    recompute everything (the voice's shared prompt blocks are not modelled)
   engine            `SimulatedEngine`, the loop of flow_service/engine.py on the fake clock:
                     it runs what the core decides, each batch in NUM_STEPS steps, asking the
                     core between two steps (as the runner does) and running an urgent batch
@@ -72,7 +74,7 @@ from flow_service.config import FlowConfig
 from flow_service.core import EngineCore, Running
 from flow_service.costmodel import CostModel
 from flow_service.model.config import BLOCK_FRAMES, NUM_STEPS
-from flow_service.runner import graph_fits, graph_rows
+from flow_service.runner import GRAPH_PREFIX_MULTIPLE, graph_fits, graph_rows
 from flow_service.scheduler import BatchPolicy, PendingCall, Plan
 from gateway.admission import (
     AdmissionConfig,
@@ -111,6 +113,10 @@ class FlowCostFit:
     # an eager call that fills prefix-cache blocks writes their keys/values at every step: 64
     # rows x 200 stored frames cost ~45 ms (call 0: 350 ms with the cache, 305 without)
     store_frame_s: float = 3.5e-6  # per row x stored frame, per solve
+    # a graphed solve over the cache moves each row's padded prefix's keys/values per layer:
+    # 7-14 us per row x prefix frame a solve at 8-64 rows of block calls over 200-600-frame
+    # prefixes, above the queries' own `solve_s` (profile_prefix_blocks.txt, 2026-12-04)
+    prefix_frame_s: float = 1.0e-5
     overhead_s: float = 0.002  # per batch (host side: prepare, scatter)
 
     def solve_s(self, rows: int, frames: int) -> float:
@@ -134,6 +140,15 @@ class FlowCostFit:
         per_row = self.row_frame_s * q + self.row_frame2_s * q * padded_len
         compute = self.eager_factor * (self.solve_floor_s + rows * per_row)
         return self.overhead_s + max(self.eager_floor_s, compute + self.store_frame_s * stored)
+
+    def prefix_graphed_s(self, rows: int, queries: int, prefix: int) -> float:
+        """A graphed batch over the prefix cache: the longest row's `queries` to whole blocks
+        and its `prefix` to the runner's multiple (flow_service/runner.py
+        GRAPH_PREFIX_MULTIPLE), rows to the graph row bucket."""
+        q = -(-queries // BLOCK_FRAMES) * BLOCK_FRAMES
+        p = -(-prefix // GRAPH_PREFIX_MULTIPLE) * GRAPH_PREFIX_MULTIPLE
+        padded = graph_rows(rows)
+        return self.overhead_s + self.solve_s(padded, q) + padded * self.prefix_frame_s * p
 
     def batch_s(self, rows: int, padded_len: int) -> float:
         """Without the prefix cache or a frame bound: graphed up to `graph_rows` rows."""
@@ -515,25 +530,27 @@ class Simulation:
             self._chain_next(s)
 
     # -- flow engine ------------------------------------------------------------------------
-    def graphed(self, plan: Plan) -> bool:
+    def graphed(self, plan: Plan, prefixes: list[int] | None = None) -> bool:
         """flow_service/runner.py `FlowRunner.graphed`: graphs up to graph_rows rows and,
-        with graph_max_frames, up to that many rows x longest sequence frames."""
+        with graph_max_frames, up to that many rows x longest work: sequence frames, less half
+        of each row's cached prefix when the batch reads the cache."""
+        longest = plan.padded_len
+        if prefixes is not None:
+            longest = max(
+                c.num_seq_frames - p // 2 for c, p in zip(plan.calls, prefixes, strict=True)
+            )
         return graph_fits(
-            len(plan.calls), plan.padded_len, self.c.flow_cost.graph_rows, self.c.graph_max_frames
+            len(plan.calls), longest, self.c.flow_cost.graph_rows, self.c.graph_max_frames
         )
 
     def _batch_s(self, plan: Plan) -> float:
-        """Seconds of `plan` alone: graphed (padded, no cache), or eager with the prefix cache
-        (flow_service/model/prefix_cache.py `PrefixCache.plan`: a streaming call reads the
-        blocks its stream's earlier eager calls stored, up to its first returned frame, and
-        stores its sequence's complete blocks; a final call reads nothing)."""
+        """Seconds of `plan` alone, with the prefix cache (flow_service/model/prefix_cache.py
+        `PrefixCache.plan`: a streaming call reads the blocks its stream's earlier calls
+        stored, up to its first returned frame, and stores its sequence's complete blocks; a
+        final call reads nothing), graphed or eagerly as the runner picks."""
         fit = self.c.flow_cost
         frames = [c.num_seq_frames for c in plan.calls]
         self.seq_frames += sum(frames)
-        if self.graphed(plan):
-            self._cache_plans[id(plan)] = None
-            self.computed_frames += sum(frames)
-            return fit.graphed_s(len(plan.calls), plan.padded_len)
         prefixes, stored, stores = [], 0, []
         for call in plan.calls:
             s, chunk = call.payload
@@ -547,17 +564,26 @@ class Simulation:
                     stored += end - prefix
                     stores.append((s, end))
             prefixes.append(prefix)
-        self._cache_plans[id(plan)] = stores
         queries = max(f - p for f, p in zip(frames, prefixes, strict=True))
         self.computed_frames += sum(frames) - sum(prefixes)
+        if not stores and not any(prefixes):  # the cache takes no part: plain graphs or eager
+            graphed = self.graphed(plan)
+            self._cache_plans[id(plan)] = ((), graphed)
+            if graphed:
+                return fit.graphed_s(len(plan.calls), plan.padded_len)
+            return fit.eager_s(len(plan.calls), plan.padded_len)
+        graphed = self.graphed(plan, prefixes)
+        self._cache_plans[id(plan)] = (stores, graphed)
+        if graphed:
+            return fit.prefix_graphed_s(len(plan.calls), queries, max(prefixes))
         return fit.eager_s(len(plan.calls), plan.padded_len, queries, stored)
 
     def _commit_cache(self, plan: Plan) -> bool:
-        """After `plan`'s solve: its eager rows' blocks are stored. Whether it was graphed."""
-        stores = self._cache_plans.pop(id(plan))
-        for s, end in stores or ():
+        """After `plan`'s solve: its rows' blocks are stored. Whether it was graphed."""
+        stores, graphed = self._cache_plans.pop(id(plan))
+        for s, end in stores:
             s.cached_frames = max(s.cached_frames, end)
-        return stores is None
+        return graphed
 
     def _batch_done(self, plan: Plan, started: float, now: float) -> None:
         graphed = self._commit_cache(plan)

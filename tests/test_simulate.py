@@ -256,7 +256,8 @@ def test_graph_max_frames_picks_eager_above_the_bound_and_the_cache_cuts_its_fra
     assert Simulation(SimConfig(graph_max_frames=0)).graphed(call0)
     assert not Simulation(SimConfig(graph_max_frames=0)).graphed(Plan(call0.calls * 2, 200))
     # call 1 of streams with nothing stored computes all 300 frames; once an eager call 0
-    # stored 4 blocks, 100; a graphed call stores nothing
+    # stored 4 blocks, 100; a graphed call stores its blocks too, and a graphed call 1 reads
+    # them (the prefix graphs), costing less than recomputing but more than its queries alone
     call1 = Plan([pending(s, 25, 75) for s in streams], 300)
     cold = sim._batch_s(call1)
     sim._cache_plans.clear()
@@ -273,7 +274,11 @@ def test_graph_max_frames_picks_eager_above_the_bound_and_the_cache_cuts_its_fra
     g0 = Plan([pending(graphed.streams[0], 0, 25)], 200)
     graphed._batch_s(g0)
     assert graphed._commit_cache(g0)
-    assert graphed.streams[0].cached_frames == 0
+    assert graphed.streams[0].cached_frames == 200
+    g1 = Plan([pending(graphed.streams[0], 25, 75)], 300)
+    fit = graphed.c.flow_cost
+    assert fit.graphed_s(1, 100) < graphed._batch_s(g1) < fit.graphed_s(1, 300)
+    assert graphed._commit_cache(g1) and graphed.streams[0].cached_frames == 300
     # a final call recomputes its whole sequence even with blocks stored
     final = Plan([pending(s, 175, 250, final=True) for s in streams[:8]], 650)
     mark = sim.computed_frames
@@ -281,7 +286,7 @@ def test_graph_max_frames_picks_eager_above_the_bound_and_the_cache_cuts_its_fra
     assert sim.computed_frames - mark == 8 * 650
 
 
-def test_closed_loop_runs_eager_batches_with_the_cache_only_past_the_bound():
+def test_closed_loop_runs_eager_batches_only_past_the_bound_and_both_kinds_read_the_cache():
     cfg = SimConfig(gateway_stream_s=0.0)
     runs = {}
     for bound in (12288, 0):
@@ -295,7 +300,7 @@ def test_closed_loop_runs_eager_batches_with_the_cache_only_past_the_bound():
     assert eager and all(b["rows"] * b["padded"] > 12288 for b in eager)
     assert runs[12288].computed_frames < runs[12288].seq_frames
     assert all(b["graphed"] for b in runs[0].batches)
-    assert runs[0].computed_frames == runs[0].seq_frames
+    assert runs[0].computed_frames < runs[0].seq_frames  # the prefix graphs read the cache
 
 
 def chunk(seq: int):
