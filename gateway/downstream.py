@@ -1,11 +1,13 @@
-"""Talking to flow and vocoder replicas: flow calls with retry and voice-id reuse, the
-translation of downstream statuses into the gateway's own errors."""
+"""Talking to flow and vocoder replicas: flow calls with retry and voice-id reuse, vocoder
+session calls, the translation of downstream statuses into the gateway's own errors."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -13,7 +15,7 @@ import numpy as np
 
 from gateway.admission import CapacityBoard
 from gateway.deadlines import slack_ms
-from gateway.failover import RetryBudget
+from gateway.failover import RetryBudget, detach
 from gateway.routing import ReplicaSet
 from token2wav import MEL_BINS
 from token2wav.errors import (
@@ -28,7 +30,7 @@ from token2wav.errors import (
 )
 from token2wav.lru import LRU
 from token2wav.tensors import VoiceData, check_header, encode
-from token2wav.v1 import common_pb2, flow_pb2, flow_pb2_grpc
+from token2wav.v1 import common_pb2, flow_pb2, flow_pb2_grpc, vocoder_pb2, vocoder_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -179,3 +181,47 @@ class FlowClient:
 
 
 __all__ = ["FlowClient", "FlowOutput", "downstream_error", "ServiceError"]
+
+
+class VocoderClient:
+    """Calls to the vocoder replicas: a stream's session, its cancellation, the replica to use.
+    Which replica holds a stream's session, and what happens when it is lost, is the stream's
+    (gateway/vocoder_stream.py); this holds the channels."""
+
+    def __init__(self, replicas: ReplicaSet):
+        self.replicas = replicas
+
+    async def pick(self, request_id: str, exclude: set[str]) -> str:
+        return await self.replicas.pick(request_id, exclude=exclude)
+
+    def eject(self, addr: str) -> None:
+        self.replicas.eject(addr)  # other streams avoid it too
+
+    def session(self, addr: str, chunks: AsyncIterator, timeout: float | None):
+        stub = vocoder_pb2_grpc.VocoderStub(self.replicas.channel(addr))
+        return stub.Session(chunks, timeout=timeout)
+
+    async def connected(self, addr: str, wait: float) -> None:
+        """Wait at most `wait` s until `addr` is connected: after a restart of the only replica
+        its channel fails fast until it reconnects, which the short reconnect backoff makes
+        quick. A replica still down fails the next call, as another loss."""
+        try:
+            await asyncio.wait_for(self.replicas.channel(addr).channel_ready(), wait)
+        except TimeoutError:
+            pass
+
+    def cancel(self, addr: str, session_id: str) -> asyncio.Task:
+        """Drop a vocoder session now, not at its idle timeout, from a task the stream does not
+        own (a cancelled stream must not cancel its own cleanup)."""
+        stub = vocoder_pb2_grpc.VocoderStub(self.replicas.channel(addr))
+
+        async def cancel() -> None:
+            try:
+                await stub.CancelSession(
+                    vocoder_pb2.CancelSessionRequest(request_id=session_id), timeout=1.0
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+                    logger.warning("cancelling vocoder session: %s", exc.details())
+
+        return detach(cancel(), f"cancel-session:{session_id}")

@@ -10,7 +10,7 @@ Tasks per stream (all cancelled together when the client leaves or anything fail
              flight; each block computed once
   vocoder  - one Session stream to the stream's vocoder replica: mel chunks go out in seq order,
              audio comes back in seq order and is converted for the client; a lost session is
-             reopened elsewhere and replayed (gateway/failover.py)
+             reopened elsewhere and replayed (gateway/vocoder_stream.py)
 The handler yields audio from a bounded queue, so a slow client slows its own stream only
 (gRPC flow control upstream of the queue, bounded in-flight chunks downstream).
 """
@@ -21,18 +21,15 @@ import asyncio
 import logging
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 
 from gateway.admission import remaining_work
 from gateway.deadlines import DeadlineConfig, PlaybackClock, slack_ms
-from gateway.downstream import FlowClient, FlowOutput, downstream_error
-from gateway.failover import SessionLost, count_failover, detach, lost_reason
-from gateway.routing import ReplicaSet
+from gateway.downstream import FlowClient, FlowOutput, VocoderClient
+from gateway.failover import detach
 from gateway.schedule import (
     LOOKAHEAD_TOKENS,
     BlockPlanner,
@@ -40,10 +37,11 @@ from gateway.schedule import (
     FlowCall,
     ScheduleConfig,
 )
+from gateway.vocoder_stream import ChunkSource, VocoderStream
 from token2wav import MAX_FRAMES, MEL_BINS, SAMPLE_RATE, SAMPLES_PER_TOKEN, TOKEN_MEL_RATIO
 from token2wav.errors import Aborted, InvalidArgument
-from token2wav.tensors import VoiceData, check_header, check_token_ids, decode, encode
-from token2wav.v1 import common_pb2, gateway_pb2, vocoder_pb2, vocoder_pb2_grpc
+from token2wav.tensors import VoiceData, check_token_ids, decode, encode
+from token2wav.v1 import common_pb2, gateway_pb2, vocoder_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +106,7 @@ class StreamPipeline:
         self,
         setup: StreamSetup,
         flow: FlowClient,
-        vocoders: ReplicaSet,
+        vocoders: VocoderClient,
         limits: PipelineLimits,
         observe_lateness: Callable[[float], None] | None = None,
     ):
@@ -116,7 +114,6 @@ class StreamPipeline:
         # called with (send time - when the player needed it) of every chunk after the first
         self.observe_lateness = observe_lateness
         self.flow = flow
-        self.vocoders = vocoders
         self.limits = limits
         n_p = setup.voice.num_prompt_tokens
         self.max_tokens = MAX_FRAMES // TOKEN_MEL_RATIO - n_p  # the 300 s noise buffers
@@ -140,23 +137,26 @@ class StreamPipeline:
         # seq -> flow result; kept until the stream ends (bounded: 300 s of mel is 4.8 MB), so
         # a lost vocoder session can be replayed on another replica.
         self._mels: dict[int, asyncio.Future[FlowOutput]] = {}
-        self._num_sent = 0  # chunks sent to a vocoder (each frees an in-flight slot once)
-        self._num_delivered = 0  # chunks whose audio went to the client
-        self._delivered_sizes: list[int] = []  # [num_delivered] samples per delivered chunk
         self._out: asyncio.Queue = asyncio.Queue(limits.max_buffered_chunks)
         self._failure: asyncio.Future = asyncio.get_running_loop().create_future()
         self._tasks: list[asyncio.Task] = []
-        self._vocoder_addr: str | None = None
-        self._finished = False
-        self.num_failovers = 0
-        self.session_id = self._new_session_id()
-
-    def _new_session_id(self) -> str:
-        # The vocoder session key is unique per stream and per failover, not the client's
-        # request id alone: a client that reuses an id (a retry, a second utterance) must never
-        # be answered from the finished session the vocoder still keeps for retries of the old
-        # stream, nor a replay from a half-built one.
-        return f"{self.setup.request_id[:100]}:{uuid.uuid4().hex[:16]}"
+        source = ChunkSource(
+            call=self._flow_call_future,
+            mel=lambda seq: self._mels[seq],
+            slack_ms=self._slack_ms,
+            sent=self._slots.release,  # each new chunk sent frees an in-flight slot once
+            deliver=self._deliver,
+            total_samples=lambda: SAMPLES_PER_TOKEN * self.num_tokens,
+            timeout=self._timeout_stream,
+            connect_wait=self._connect_wait,
+        )
+        self.vocoder = VocoderStream(
+            vocoders,
+            setup.request_id,
+            source,
+            limits.max_vocoder_failovers,
+            setup.resume_from_sample,
+        )
 
     # -- helpers -----------------------------------------------------------------------------
     def _timeout(self) -> float | None:
@@ -352,41 +352,13 @@ class StreamPipeline:
             fut = self._flow_calls[seq] = asyncio.get_running_loop().create_future()
         return fut
 
-    @staticmethod
-    async def _ready(fut: asyncio.Future, stop: asyncio.Future) -> bool:
-        """Wait for `fut` (never cancelling it: others share it) unless `stop` comes first."""
-        if not fut.done():
-            await asyncio.wait({fut, stop}, return_when=asyncio.FIRST_COMPLETED)
-        return fut.done()
+    def _slack_ms(self, chunk: FlowCall, seq: int) -> float | None:
+        if self.playback is None:
+            return None
+        return slack_ms(self.playback.due(chunk, self._ready_at[seq]), time.monotonic())
 
-    async def _vocoder_requests(self, session_id: str, stop: asyncio.Future):
-        """Chunks from seq 0 for one session: a replay first (chunks sent to a lost session),
-        then new chunks as flow delivers them. grpc.aio reads this from its own task, which
-        nobody cancels when the call fails, so every wait also ends on `stop`."""
-        seq = 0
-        while True:
-            if not await self._ready(self._flow_call_future(seq), stop):
-                return
-            chunk = self._flow_calls[seq].result()
-            if not await self._ready(self._mels[seq], stop):
-                return
-            msg = vocoder_pb2.VocoderChunk(request_id=session_id, seq=seq, finalize=chunk.finalize)
-            # The flow replica's bytes, untouched. CopyFrom, not mel= in the constructor: that
-            # one serialises and parses the tensor again.
-            msg.mel.CopyFrom(self._mels[seq].result().mel)
-            if self.playback is not None:  # recomputed: playback may have started meanwhile
-                due = self.playback.due(chunk, self._ready_at[seq])
-                msg.slack_ms = slack_ms(due, time.monotonic())
-            yield msg
-            if seq == self._num_sent:  # a new chunk, not a replayed one
-                self._num_sent += 1
-                self._slots.release()
-            if chunk.finalize:
-                return
-            seq += 1
-
-    def _deliver(self, audio: vocoder_pb2.VocoderAudio, num_samples: int, skip: int):
-        """The client's response for a vocoder chunk, less its first `skip` samples."""
+    async def _deliver(self, audio: vocoder_pb2.VocoderAudio, num_samples: int, skip: int):
+        """Queue the client's response for a vocoder chunk, less its first `skip` samples."""
         flow_out = self._mels[audio.seq].result()
         fmt = self.setup.audio_format
         msg = gateway_pb2.SynthesizeResponse(
@@ -407,114 +379,17 @@ class StreamPipeline:
                 vocoder_batch_size=audio.timing.batch_size,
             ),
         )
-        return msg, self._ready_at[audio.seq]
-
-    async def _session(self, addr: str) -> None:
-        """One vocoder session on `addr`, from seq 0 to the final chunk; raises SessionLost."""
-        stub = vocoder_pb2_grpc.VocoderStub(self.vocoders.channel(addr))
-        stop = asyncio.get_running_loop().create_future()
-        call = stub.Session(
-            self._vocoder_requests(self.session_id, stop), timeout=self._timeout_stream()
-        )
-        expected_seq, expected_offset = 0, 0
-        try:
-            async for audio in call:
-                if audio.seq != expected_seq or audio.sample_offset != expected_offset:
-                    raise RuntimeError(
-                        f"vocoder sent seq {audio.seq} @ {audio.sample_offset}, "
-                        f"want {expected_seq} @ {expected_offset}"
-                    )
-                (num_samples,) = check_header(audio.audio, "audio", shape=(None,))
-                if audio.seq < self._num_delivered:  # replayed: the client has it already
-                    if num_samples != self._delivered_sizes[audio.seq]:
-                        raise RuntimeError(
-                            f"replayed chunk {audio.seq}: {num_samples} samples, "
-                            f"delivered {self._delivered_sizes[audio.seq]}"
-                        )
-                else:
-                    # The one place samples are held back: those a resumed stream's client has
-                    # (all of a chunk before resume_from_sample, the head of the chunk it
-                    # falls in). The final chunk always goes out, if empty, to end the stream.
-                    skip = min(num_samples, max(0, self.setup.resume_from_sample - expected_offset))
-                    if skip < num_samples or audio.is_final:
-                        await self._out.put(self._deliver(audio, num_samples, skip))
-                    self._num_delivered += 1
-                    self._delivered_sizes.append(num_samples)
-                expected_seq += 1
-                expected_offset += num_samples
-                if audio.is_final:
-                    break
-        except grpc.aio.AioRpcError as exc:
-            reason = lost_reason(exc)
-            if reason is None:
-                raise downstream_error(exc, "vocoder") from exc
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                error: Exception = downstream_error(exc, "vocoder")
-            else:
-                error = Aborted("vocoder lost this stream's session; retry the request")
-            logger.warning("vocoder %s: session %s lost (%s)", addr, self.session_id, reason)
-            raise SessionLost(addr, reason, error) from exc
-        finally:
-            call.cancel()
-            if not stop.done():
-                stop.set_result(None)
-        total = SAMPLES_PER_TOKEN * self.num_tokens
-        if expected_offset != total:
-            raise RuntimeError(f"stream produced {expected_offset} samples, want {total}")
+        await self._out.put((msg, self._ready_at[audio.seq]))
 
     async def _vocode(self) -> None:
-        lost_on: set[str] = set()  # replicas that lost a session of this stream
-        while True:
-            self._vocoder_addr = await self.vocoders.pick(self.setup.request_id, exclude=lost_on)
-            if self.num_failovers:
-                await self._connected(self._vocoder_addr)
-            try:
-                await self._session(self._vocoder_addr)
-                break
-            except SessionLost as lost:
-                if self.num_failovers >= self.limits.max_vocoder_failovers:
-                    raise lost.error from None
-                self.num_failovers += 1
-                count_failover(lost.reason)
-                lost_on.add(lost.addr)
-                if lost.reason in ("UNAVAILABLE", "CANCELLED"):
-                    self.vocoders.eject(lost.addr)  # other streams avoid it too
-                self._cancel_session(lost.addr, self.session_id)  # it may still hold state
-                self.session_id = self._new_session_id()
-                logger.info(
-                    "replaying %d chunks (%d delivered) in a new vocoder session",
-                    self._num_sent,
-                    self._num_delivered,
-                )
-        self._finished = True
+        await self.vocoder.run()
         await self._out.put(None)
 
-    async def _connected(self, addr: str) -> None:
-        """Wait (bounded) until `addr` is connected: after a restart of the only replica its
-        channel fails fast until it reconnects, which the short reconnect backoff makes quick."""
+    def _connect_wait(self) -> float:
         wait = self.limits.failover_connect_wait
         if self.setup.deadline is not None:
             wait = min(wait, max(0.0, self.setup.deadline - time.monotonic()))
-        try:
-            await asyncio.wait_for(self.vocoders.channel(addr).channel_ready(), wait)
-        except TimeoutError:
-            pass  # the session call fails UNAVAILABLE and counts as another loss
-
-    def _cancel_session(self, addr: str, session_id: str) -> asyncio.Task:
-        """Drop a vocoder session now, not at its idle timeout, from a task the stream does not
-        own (a cancelled stream must not cancel its own cleanup)."""
-        stub = vocoder_pb2_grpc.VocoderStub(self.vocoders.channel(addr))
-
-        async def cancel() -> None:
-            try:
-                await stub.CancelSession(
-                    vocoder_pb2.CancelSessionRequest(request_id=session_id), timeout=1.0
-                )
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
-                    logger.warning("cancelling vocoder session: %s", exc.details())
-
-        return detach(cancel(), f"cancel-session:{session_id}")
+        return wait
 
     def _timeout_stream(self) -> float | None:
         if self.setup.deadline is None:
@@ -593,7 +468,7 @@ class StreamPipeline:
     async def close(self) -> None:
         # The cleanup runs in a task of its own: when the client left, this coroutine is being
         # cancelled, and a second cancellation must not cut the CancelSession short.
-        await asyncio.shield(detach(self._cleanup(), f"close:{self.session_id}"))
+        await asyncio.shield(detach(self._cleanup(), f"close:{self.vocoder.session_id}"))
 
     async def _cleanup(self) -> None:
         for task in self._tasks:
@@ -603,9 +478,9 @@ class StreamPipeline:
             self._failure.cancel()
         elif not self._failure.cancelled():
             self._failure.exception()  # retrieved: a cancelled client also ends the reader
-        if not self._finished and self._vocoder_addr is not None:
-            # The client left or something failed: drop the session now, not at its idle timeout.
-            await self._cancel_session(self._vocoder_addr, self.session_id)
+        cancel = self.vocoder.cancel()  # the client left or something failed: drop it now,
+        if cancel is not None:  # not at the session's idle timeout
+            await cancel
 
 
 __all__ = ["PipelineLimits", "StreamPipeline", "StreamSetup", "common_pb2"]

@@ -10,7 +10,7 @@ from gateway import metrics
 from gateway.admission import AdmissionConfig, AdmissionController
 from gateway.audio_format import ClientAudio, OutputSpec, check_output
 from gateway.callers import ClientStreams, client_of
-from gateway.downstream import FlowClient
+from gateway.downstream import FlowClient, VocoderClient
 from gateway.inbound import Inbound, InboundLimits
 from gateway.pipeline import PipelineLimits, StreamPipeline, StreamSetup
 from gateway.routing import ReplicaSet
@@ -99,7 +99,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ):
         self.voice_maker = voice_maker  # None: started without --frontend-dir
         self.flow = flow
-        self.vocoders = vocoders
+        self.vocoder = VocoderClient(vocoders)
         self.voices = voices
         self.limits = limits
         self.max_streams = max_streams
@@ -171,7 +171,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.per_client.acquire(client)
         try:
             pipeline = StreamPipeline(
-                setup, self.flow, self.vocoders, self.limits, self.admission.observe
+                setup, self.flow, self.vocoder, self.limits, self.admission.observe
             )
             await self.admission.admit(pipeline)  # RESOURCE_EXHAUSTED: it would make streams late
         except BaseException:
