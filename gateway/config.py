@@ -17,6 +17,8 @@ from token2wav.server import ServerOptions
 
 
 def build_parser() -> EnvParser:
+    d = GatewayConfig()  # every default is the frozen config's
+    deadlines = DeadlineConfig()  # the values --deadlines turns on
     p = EnvParser(
         "GATEWAY",
         prog=prog("gateway"),
@@ -28,61 +30,71 @@ def build_parser() -> EnvParser:
     add_server_flags(p, port=50051, metrics_port=9101, max_message_mb=8)
     p.flag(
         "--flow-addr",
-        default="127.0.0.1:50052",
+        default=d.flow_addr,
         help="flow replicas: HOST:PORT[,HOST:PORT...] or dns:///NAME:PORT (re-resolved); "
         "calls go round robin and retry elsewhere on UNAVAILABLE",
     )
     p.flag(
         "--vocoder-addr",
-        default="127.0.0.1:50053",
+        default=d.vocoder_addr,
         help="vocoder replicas, same forms; each stream's replica is picked by rendezvous "
         "hashing of its request id",
     )
-    p.flag("--resolve-interval", type=float, default=5.0, help="seconds between DNS lookups")
+    p.flag(
+        "--resolve-interval",
+        type=float,
+        default=d.resolve_interval,
+        help="seconds between DNS lookups",
+    )
     p.flag(
         "--retire-grace",
         type=float,
-        default=330.0,
+        default=d.retire_grace,
         help="seconds a replica that left DNS keeps serving the calls already on it (a "
         "vocoder session lasts as long as its stream); no new calls go there",
     )
     p.flag(
         "--max-streams",
         type=int,
-        default=1024,
+        default=d.max_streams,
         help="concurrent streams; past it Synthesize answers RESOURCE_EXHAUSTED",
     )
     p.flag(
         "--max-inflight-chunks",
         type=int,
-        default=4,
+        default=d.limits.max_inflight_chunks,
         help="flow calls in flight per stream (bounds memory and queueing per stream)",
     )
     p.flag(
         "--max-buffered-chunks",
         type=int,
-        default=4,
+        default=d.limits.max_buffered_chunks,
         help="audio chunks held for a slow client before the stream pauses",
     )
     p.flag(
         "--call-timeout",
         type=float,
-        default=60.0,
+        default=d.limits.call_timeout_cap,
         help="cap in seconds on each downstream call's deadline",
     )
-    p.flag("--flow-attempts", type=int, default=3, help="replicas a flow call tries on UNAVAILABLE")
+    p.flag(
+        "--flow-attempts",
+        type=int,
+        default=d.flow_attempts,
+        help="replicas a flow call tries on UNAVAILABLE",
+    )
     p.flag(
         "--flow-affinity",
-        default="stream",
+        default="stream" if d.flow_sticky else "call",
         choices=["stream", "call"],
         help="stream: all flow calls of a stream go to one replica (rendezvous hash of the "
         "request id; its prefix cache is there), the next-ranked on UNAVAILABLE; call: round "
         "robin per call (even spread when the flow replicas run without the prefix cache)",
     )
-    p.flag("--max-voices", type=int, default=1024, help="registered voices kept (LRU)")
+    p.flag("--max-voices", type=int, default=d.max_voices, help="registered voices kept (LRU)")
     p.flag(
         "--frontend-dir",
-        default=None,
+        default=d.frontend_dir,
         help="folder with speech_tokenizer_v3.onnx and campplus.onnx (Fun-CosyVoice3-0.5B-2512): "
         "RegisterVoice then also takes a prompt recording; needs pip install "
         "'token2wav[frontend]'. Unset: audio is refused with FAILED_PRECONDITION",
@@ -90,39 +102,39 @@ def build_parser() -> EnvParser:
     p.flag(
         "--frontend-workers",
         type=int,
-        default=2,
+        default=d.frontend_workers,
         help="threads making voices from audio, off the event loop",
     )
     p.flag(
         "--frontend-max-pending",
         type=int,
-        default=8,
+        default=d.frontend_max_pending,
         help="recordings accepted at once (running or waiting); past it RESOURCE_EXHAUSTED",
     )
     p.flag(
         "--deadlines",
         type=bool,
-        default=True,
+        default=d.limits.deadlines is not None,
         help="send each flow call and vocoder chunk its playback deadline (slack_ms), so the "
         "services serve the least slack first",
     )
     p.flag(
         "--first-chunk-target-ms",
         type=float,
-        default=150.0,
+        default=deadlines.first_chunk_target_s * 1e3,
         help="a first chunk (or one whose tokens came late) is needed this long after its "
         "tokens are in",
     )
     p.flag(
         "--deadline-margin-ms",
         type=float,
-        default=50.0,
+        default=deadlines.margin_s * 1e3,
         help="subtracted from every playback deadline sent downstream (vocoder step, transport)",
     )
     p.flag(
         "--schedule",
         choices=("upstream", "blocks"),
-        default="upstream",
+        default="blocks" if d.limits.schedule == ScheduleConfig.blocks() else "upstream",
         help="chunks of a stream that sets no schedule: upstream's (25 + pad, 50, 100, ... "
         "tokens; upstream's audio exactly) or every 25-token block as soon as it is computed "
         "(upstream run with a constant hop of 25)",
@@ -130,14 +142,14 @@ def build_parser() -> EnvParser:
     p.flag(
         "--block-calls",
         type=bool,
-        default=False,
+        default=d.limits.block_calls,
         help="compute each 25-token block of a chunk as soon as its tokens + 3 lookahead are "
         "in and assemble the chunk from them (same audio); off: one flow call per chunk",
     )
     p.flag(
         "--final-attention",
         choices=("full", "chunked"),
-        default="full",
+        default="chunked" if d.limits.schedule.chunked_final else "full",
         help="the last call of a stream that sets none: full attention over the utterance "
         "(upstream's default, exact) or block-causal reusing the cached blocks (cheaper; the "
         "last chunk differs, docs/BENCHMARKS.md)",
@@ -145,7 +157,7 @@ def build_parser() -> EnvParser:
     p.flag(
         "--start-buffer-ms",
         type=float,
-        default=0.0,
+        default=d.limits.start_buffer_s * 1e3,
         help="hold the first audio of a stream whose input is still open until this long after "
         "its first chunk's tokens: playback starts later, every later chunk has that much more "
         "slack (0: send at once)",
@@ -153,82 +165,82 @@ def build_parser() -> EnvParser:
     p.flag(
         "--admission",
         type=bool,
-        default=False,
+        default=d.admission.enabled,
         help="refuse a new stream (RESOURCE_EXHAUSTED) when the flow capacity estimate says "
         "it would make admitted streams late",
     )
     p.flag(
         "--admission-headroom",
         type=float,
-        default=0.8,
+        default=d.admission.headroom,
         help="share of the flow replicas' reported capacity admission plans with",
     )
     p.flag(
         "--admission-feedback",
         type=bool,
-        default=True,
+        default=d.admission.feedback,
         help="each chunk that reaches its client after its player needed it cuts the capacity "
         "admission plans with (x0.7, at most once a second); chunks on time win it back",
     )
     p.flag(
         "--admission-expected-tokens",
         type=int,
-        default=250,
+        default=d.admission.expected_tokens,
         help="tokens assumed for a stream whose input is still open (250 = 10 s)",
     )
     p.flag(
         "--admission-wait-ms",
         type=float,
-        default=0.0,
+        default=d.admission.max_wait_s * 1e3,
         help="how long a stream that does not fit may wait for streams to end before it is "
         "refused; 0 refuses at once",
     )
     p.flag(
         "--admission-capacity",
         type=float,
-        default=0.0,
+        default=d.admission.capacity_override,
         help="flow capacity in DiT frames/s for admission, replacing the replicas' reports; "
         "0: learned from the replicas",
     )
     p.flag(
         "--retry-budget",
         type=float,
-        default=0.2,
+        default=d.retry_budget,
         help="flow retries allowed per flow call, across all streams (plus 10 per second): "
         "a stage that is down is not hit with every call times --flow-attempts",
     )
     p.flag(
         "--max-streams-per-client",
         type=int,
-        default=0,
+        default=d.max_streams_per_client,
         help="concurrent streams one client may hold (its auth identity, else its peer host: "
         "behind a proxy use auth); past it RESOURCE_EXHAUSTED; 0: no per-client bound",
     )
     p.flag(
         "--max-voices-per-client",
         type=int,
-        default=0,
+        default=d.max_voices_per_client,
         help="registered voices one client may hold; its oldest is evicted past it (never "
         "another client's); 0: only --max-voices",
     )
     p.flag(
         "--first-tokens-timeout",
         type=float,
-        default=30.0,
+        default=d.inbound.first_tokens_timeout,
         help="seconds a stream may wait for its StreamConfig, then for its first tokens, "
         "before it ends with DEADLINE_EXCEEDED (an idle stream holds a slot)",
     )
     p.flag(
         "--input-idle-timeout",
         type=float,
-        default=120.0,
+        default=d.inbound.idle_timeout,
         help="seconds between client messages once tokens flow, until EndOfInput; past it "
         "the stream ends with DEADLINE_EXCEEDED",
     )
     p.flag(
         "--vocoder-failovers",
         type=int,
-        default=3,
+        default=d.limits.max_vocoder_failovers,
         help="times a stream may move to another vocoder replica (replaying its mel) when "
         "its session is lost; 0 turns failover off",
     )
@@ -252,7 +264,7 @@ def build_parser() -> EnvParser:
     p.flag(
         "--websocket-port",
         type=int,
-        default=None,
+        default=d.websocket_port,
         help="also serve Synthesize over WebSocket on this port (JSON config, tokens, binary "
         "audio frames; gateway/websocket.py), with a demo page at / ; unset: off. Relayed to "
         "the gRPC listener, so auth, limits and admission are the same; not with --tls-cert",
@@ -260,7 +272,7 @@ def build_parser() -> EnvParser:
     p.flag(
         "--health-check-interval",
         type=float,
-        default=1.0,
+        default=d.health_check_interval,
         help="seconds between grpc.health checks of every flow and vocoder replica; unhealthy "
         "ones get calls only when no other is left, and the gateway reports NOT_SERVING while "
         "a stage has no healthy replica; 0 turns the checks off",

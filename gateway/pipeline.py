@@ -59,9 +59,10 @@ class PipelineLimits:
     # earlier than this long after the first chunk's tokens (a start buffer, see `_hold_first`).
     start_buffer_s: float = 0.0
     schedule: ScheduleConfig = ScheduleConfig()  # for streams that set none (--schedule)
-    # Off by default because it measured worse (docs/BENCHMARKS.md, "Block calls"): a graphed
-    # flow batch does not read the prefix cache, so each block call recomputes its prefix and a
-    # chunk's last block costs what the whole chunk did. It pays once graphs read the cache.
+    # Off by default because it measured worse (docs/BENCHMARKS.md, "Graphs over the prefix
+    # cache"): even with graphs reading the cache, a flow solve of any size costs ~5 ms a step,
+    # and a stream makes ~10 block calls where it makes 4 chunk calls. It pays once a small
+    # solve costs much less than a chunk's.
     block_calls: bool = False
 
     def __post_init__(self):
