@@ -67,10 +67,12 @@ class EnvParser(argparse.ArgumentParser):
 def add_server_flags(
     parser: EnvParser, *, port: int, metrics_port: int, max_message_mb: int = 64
 ) -> None:
-    """Flags every service shares (transport, metrics, lifecycle, logging)."""
-    parser.flag(
-        "--host", default="127.0.0.1", help="address to bind; 0.0.0.0 or [::] in containers"
-    )
+    """Flags every service shares (transport, metrics, lifecycle, logging); their defaults are
+    ServerOptions' but for the three the service gives."""
+    from token2wav.server import ServerOptions  # the server stack, only for a service's parser
+
+    d = ServerOptions()
+    parser.flag("--host", default=d.host, help="address to bind; 0.0.0.0 or [::] in containers")
     parser.flag("--port", type=int, default=port, help="gRPC port")
     parser.flag(
         "--metrics-port",
@@ -81,13 +83,13 @@ def add_server_flags(
     parser.flag(
         "--grace-period",
         type=float,
-        default=30.0,
+        default=d.grace_period,
         help="seconds in-flight calls get to finish after SIGTERM before they are cancelled",
     )
     parser.flag(
         "--drain-delay",
         type=float,
-        default=0.0,
+        default=d.drain_delay,
         help="seconds to keep serving with health NOT_SERVING after SIGTERM, so load "
         "balancers stop routing here before the listener closes",
     )
@@ -109,14 +111,14 @@ def add_server_flags(
     parser.flag(
         "--reflection",
         type=bool,
-        default=False,
+        default=d.reflection,
         help="serve gRPC reflection (grpcurl can list the API); behind the same bearer token "
         "as the API where --auth-tokens is set",
     )
     parser.flag(
         "--health-port",
         type=int,
-        default=0,
+        default=d.health_port or 0,  # 0 on the command line: none
         help="plaintext port serving grpc.health.v1 and nothing else (no TLS, no token), for "
         "probes that hold no client certificate: the kubelet's gRPC probe, compose "
         "healthchecks; 0: none (health is always on the gRPC port too)",
