@@ -129,6 +129,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         choices=["upstream", "blocks"],
         help="chunk schedule each stream asks for (StreamConfig)",
     )
+    w.add_argument(
+        "--mix",
+        default="uniform",
+        choices=["uniform", "mixed"],
+        help="uniform: every stream as the flags above say; mixed: six voices of 2-8 s "
+        "prompts, 1-30 s utterances, three in four paced at 40-120 tokens/s in bursts "
+        "(bench/workload.py), whatever --prompt-tokens, --utterance-tokens and --pace say",
+    )
     w.add_argument("--warmup-streams", type=int, default=4, help="per run, not measured")
     w.add_argument("--stream-timeout", type=float, default=600.0, help="deadline per stream, s")
     w.add_argument(
@@ -316,7 +324,7 @@ def run_benchmark(
 ) -> tuple[list[dict], Path]:
     cfg = _sweep_config(a)
     workload = WorkloadConfig(
-        a.prompt_tokens, a.utterance_tokens, a.pace, a.seed, a.audio_format, a.schedule
+        a.prompt_tokens, a.utterance_tokens, a.pace, a.seed, a.audio_format, a.schedule, a.mix
     )
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,7 @@ from bench.metrics import STACK_TOLERANCE_S, excess_buffer_ms, percentiles
 from bench.report import environment, run_name
 from bench.stack import Stack, StackConfig, free_port
 from bench.sweep import RunSpec, Sweep, SweepConfig, Target, one_line
-from bench.workload import WorkloadConfig
+from bench.workload import InvalidConfig, WorkloadConfig
 
 REFUSED = "RESOURCE_EXHAUSTED"
 
@@ -461,9 +461,16 @@ def run(a, argv: list[str]) -> dict:
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     workload = WorkloadConfig(
-        a.prompt_tokens, a.utterance_tokens, 0.0, a.seed, a.audio_format, a.schedule
+        a.prompt_tokens, a.utterance_tokens, 0.0, a.seed, a.audio_format, a.schedule, a.mix
     )
-    utt_s = workload.utterance_seconds
+    mixed = workload.mix == "mixed"
+    if mixed and tuple(a.paces) != (0.0,):
+        raise InvalidConfig("paces", "the mixed workload paces each stream; give --paces 0")
+    utt_s = workload.mean_utterance_seconds
+
+    def key(pace: float) -> str:
+        return "as the mixed workload sends them" if mixed else pace_key(pace)
+
     criteria = Criteria(a.on_time_share, a.first_chunk_p95_ms)
     env = environment(argv)
     meta = {
@@ -493,8 +500,14 @@ def run(a, argv: list[str]) -> dict:
         "command": env["command"],
         "commit": env.get("commit") or "?",
         "started_at": env["date"],
-        "workload": f"{a.prompt_tokens}-token prompt, {a.utterance_tokens}-token utterances "
-        f"({utt_s:g} s), Poisson arrivals for {a.duration:g} s per probe",
+        "workload": (
+            f"the mixed workload (bench/workload.py: six voices of 2-8 s prompts, 1-30 s "
+            f"utterances, mean {utt_s:.1f} s, three in four paced at 40-120 tokens/s in bursts)"
+            if mixed
+            else f"{a.prompt_tokens}-token prompt, {a.utterance_tokens}-token utterances "
+            f"({utt_s:g} s)"
+        )
+        + f", Poisson arrivals for {a.duration:g} s per probe",
         "criteria": {"on_time_share": a.on_time_share, "first_chunk_p95_ms": a.first_chunk_p95_ms},
         "capacity": {},
         "skipped": [],
@@ -572,7 +585,11 @@ def run(a, argv: list[str]) -> dict:
             )
             save()
         for pace in a.paces:
-            input_s = a.utterance_tokens / pace if pace > 0 else 0.0
+            input_s = (
+                workload.longest_input_seconds
+                if mixed
+                else replace(workload, pace=pace).longest_input_seconds
+            )
             probe_s = a.duration + max(input_s, utt_s) + 10.0
             # the overload run (after the searches) keeps its time
             reserve = a.overload_duration + utt_s + 15.0 if a.overload_duration > 0 else 0.0
@@ -580,7 +597,7 @@ def run(a, argv: list[str]) -> dict:
             def can_probe(pace=pace, probe_s=probe_s, reserve=reserve) -> bool:
                 if left() >= probe_s + reserve:
                     return True
-                why = f"capacity {pace_key(pace)}: further probes cut by the time budget"
+                why = f"capacity {key(pace)}: further probes cut by the time budget"
                 if why not in result["skipped"]:
                     result["skipped"].append(why)
                 return False
@@ -591,7 +608,7 @@ def run(a, argv: list[str]) -> dict:
                 spec = RunSpec("closed", "on", 1, pace, utterances_per_stream=a.floor_streams)
                 floors = compute_floors(one(spec, warm))
                 warm = False
-                log(f"compute floors {pace_key(pace)}: {floors} ms")
+                log(f"compute floors {key(pace)}: {floors} ms")
 
             def probe(rate: float, pace=pace, floors=floors) -> dict:
                 nonlocal warm
@@ -603,7 +620,7 @@ def run(a, argv: list[str]) -> dict:
             start = a.start_rate
             cap, probes = search(probe, criteria, start, a.max_rate, a.growth, a.refine, can_probe)
             conc = next((f["concurrent_streams"] for f in probes if f["rate"] == cap), None)
-            result["capacity"][pace_key(pace)] = {
+            result["capacity"][key(pace)] = {
                 "pace": pace,
                 "capacity_rate": cap,
                 "capacity_audio_s_per_s": cap * utt_s if cap else None,
@@ -613,13 +630,13 @@ def run(a, argv: list[str]) -> dict:
             }
             if floors:
                 zero = highest_passing_without_floors(probes, criteria)
-                result["capacity"][pace_key(pace)].update(
+                result["capacity"][key(pace)].update(
                     zero_compute_rate=zero,
                     zero_compute_audio_s_per_s=zero * utt_s if zero else None,
                 )
             save()
-            log(f"capacity {pace_key(pace)}: {cap} streams/s")
-        base = result["capacity"].get(pace_key(0.0), {}).get("capacity_rate")
+            log(f"capacity {key(pace)}: {cap} streams/s")
+        base = result["capacity"].get(key(0.0), {}).get("capacity_rate")
         if a.overload_duration > 0 and base:
             rate = a.overload_factor * base
             need = a.overload_duration + utt_s + 15.0

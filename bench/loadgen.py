@@ -35,6 +35,7 @@ from bench.metrics import StreamRecord
 from bench.workload import (
     SCHEDULE_KINDS,
     InvalidConfig,
+    StreamShape,
     WorkloadConfig,
     chunk_needs,
     make_bench_voice,
@@ -98,7 +99,9 @@ class Progress:
         self._draw(final=True)
 
 
-async def _feed(stream: AsyncStream, tokens: np.ndarray, pace: float, rec: StreamRecord):
+async def _feed(
+    stream: AsyncStream, tokens: np.ndarray, pace: float, rec: StreamRecord, burst: int = 1
+):
     n = tokens.size
     if pace <= 0:
         await stream.send(tokens)
@@ -108,11 +111,12 @@ async def _feed(stream: AsyncStream, tokens: np.ndarray, pace: float, rec: Strea
         t0 = time.perf_counter()
         i = 0
         while i < n:
-            delay = t0 + i / pace - time.perf_counter()
+            last = min(n, i + burst) - 1  # a burst goes out when its last token is due
+            delay = t0 + last / pace - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             now = time.perf_counter()
-            j = min(n, max(i + 1, int((now - t0) * pace) + 1))  # everything due by now
+            j = min(n, max(last + 1, int((now - t0) * pace) + 1))  # everything due by now
             await stream.send(tokens[i:j])
             rec.token_sent[i:j] = [now] * (j - i)
             i = j
@@ -127,9 +131,12 @@ async def drive_stream(
     workload: WorkloadConfig,
     rec: StreamRecord,
     timeout: float | None,
+    shape: StreamShape | None = None,
 ) -> StreamRecord:
     """Run one utterance through the gateway, filling `rec` (created by the caller, so a
-    cancelled stream still leaves its record behind)."""
+    cancelled stream still leaves its record behind); paced as `shape` says, else as
+    `workload`."""
+    pace, burst = (shape.pace, shape.burst) if shape is not None else (workload.pace, 1)
     rec.token_sent = [0.0] * tokens.size
     rec.opened = time.perf_counter()
     stream = client.stream(
@@ -139,7 +146,7 @@ async def drive_stream(
         timeout=timeout,
         schedule=gateway_pb2.ChunkSchedule(kind=SCHEDULE_KINDS[workload.schedule]),
     )
-    feeder = asyncio.ensure_future(_feed(stream, tokens, workload.pace, rec))
+    feeder = asyncio.ensure_future(_feed(stream, tokens, pace, rec, burst))
     try:
         async for chunk in stream:
             t = chunk.timing
@@ -248,6 +255,13 @@ class LoadPlan:
     def voice(self, index: int) -> VoiceData:
         return make_bench_voice(self.workload.seed, index, self.workload.prompt_tokens)
 
+    def stream(self, index: int) -> tuple[StreamShape, VoiceData, np.ndarray]:
+        """Stream `index` of the run: its shape, voice and tokens (the mixed workload's six
+        voices are shared by its streams, as a service's registered voices are)."""
+        shape = self.workload.shape(index)
+        voice = make_bench_voice(self.workload.seed, shape.voice, shape.prompt_tokens)
+        return shape, voice, make_tokens(self.workload.seed, index, shape.utterance_tokens)
+
 
 @dataclass
 class _Part:
@@ -269,8 +283,12 @@ async def _warmup(
     workload = replace(plan.workload, pace=0.0)  # warming kernels needs the shapes, not the wait
     jobs = []
     for i in range(part, plan.warmup_streams, plan.procs):
-        voice = plan.voice(i % max(1, num_voices))
-        tokens = make_tokens(workload.seed, i, workload.utterance_tokens, warmup=True)
+        if workload.mix == "uniform":
+            voice = plan.voice(i % max(1, num_voices))
+            tokens = make_tokens(workload.seed, i, workload.utterance_tokens, warmup=True)
+        else:
+            shape, voice, _ = plan.stream(i)
+            tokens = make_tokens(workload.seed, i, shape.utterance_tokens, warmup=True)
         rec = new_record(f"{plan.run_id}-warmup-{i}", voice, tokens, workload)
         jobs.append((_route(plan, clients, i, rec), voice, tokens, rec))
     timeout = plan.stream_timeout_s
@@ -289,11 +307,17 @@ async def _closed(plan, clients, part, start, on_done, records) -> tuple[float, 
     async def worker(w: int) -> None:
         for k in range(k_per):
             idx = w * k_per + k
-            tokens = make_tokens(plan.workload.seed, idx, plan.workload.utterance_tokens)
-            rec = new_record(f"{plan.run_id}-{idx}", voices[w], tokens, plan.workload)
+            if plan.workload.mix == "uniform":  # a worker keeps its voice
+                voice, shape = voices[w], None
+                tokens = make_tokens(plan.workload.seed, idx, plan.workload.utterance_tokens)
+            else:
+                shape, voice, tokens = plan.stream(idx)
+            rec = new_record(f"{plan.run_id}-{idx}", voice, tokens, plan.workload)
             records.append(rec)
             client = _route(plan, clients, k * c + w, rec)
-            await drive_stream(client, voices[w], tokens, plan.workload, rec, plan.stream_timeout_s)
+            await drive_stream(
+                client, voice, tokens, plan.workload, rec, plan.stream_timeout_s, shape
+            )
             on_done(rec)
 
     workers = range(part, c, plan.procs)
@@ -313,18 +337,29 @@ async def _open(plan, clients, part, start, on_done, records) -> tuple[float, bo
     """(the start, whether streams were still running at the end of the drain)"""
     arrivals = plan.arrivals()
     mine = np.flatnonzero(plan.owners(len(arrivals)) == part)
+    uniform = plan.workload.mix == "uniform"
     inputs = {
-        i: (plan.voice(i), make_tokens(plan.workload.seed, i, plan.workload.utterance_tokens))
+        i: (
+            (
+                None,
+                plan.voice(i),
+                make_tokens(plan.workload.seed, i, plan.workload.utterance_tokens),
+            )
+            if uniform
+            else plan.stream(int(i))
+        )
         for i in mine
     }
 
     async def one(i: int) -> None:
-        voice, tokens = inputs[i]
+        shape, voice, tokens = inputs[i]
         rec = new_record(f"{plan.run_id}-{i}", voice, tokens, plan.workload)
         records.append(rec)
         client = _route(plan, clients, i, rec)
         try:
-            await drive_stream(client, voice, tokens, plan.workload, rec, plan.stream_timeout_s)
+            await drive_stream(
+                client, voice, tokens, plan.workload, rec, plan.stream_timeout_s, shape
+            )
         finally:
             on_done(rec)
 

@@ -25,8 +25,17 @@ SCHEDULE_KINDS = {
 
 TOKEN_RATE = 25  # speech tokens per second of audio (25 Hz)
 
-# Purposes in the seed tuple: a voice for a worker, tokens for a measured stream, warm-up.
-_VOICE, _TOKENS, _WARMUP = 1, 2, 3
+# Purposes in the seed tuple: a voice for a worker, tokens for a measured stream, warm-up,
+# the shape of a stream of the mixed workload.
+_VOICE, _TOKENS, _WARMUP, _MIX = 1, 2, 3, 6
+
+# The mixed workload (issue 28's "as a user would"): six voices with 2-8 s prompts; utterances
+# of 1-30 s, median 6 s (log-normal); three in four streams paced like a language model at
+# 40-120 tokens/s in bursts of 1-5 tokens, the rest sent at once.
+MIX_PROMPT_TOKENS = (50, 75, 100, 125, 150, 200)
+MIX_MEDIAN_TOKENS, MIX_SIGMA, MIX_MIN_TOKENS, MIX_MAX_TOKENS = 150, 0.8, 25, 750
+MIX_PACED_SHARE, MIX_PACE_RANGE, MIX_MAX_BURST = 0.75, (40.0, 120.0), 5
+MIXES = ("uniform", "mixed")
 
 
 class InvalidConfig(ValueError):
@@ -45,6 +54,9 @@ class WorkloadConfig:
     seed: int = 0
     audio_format: str = "pcm16"  # what a player would ask for; float32 doubles the bytes
     schedule: str = "upstream"  # the chunk schedule each stream asks for (StreamConfig)
+    # uniform: every stream has the prompt, length and pace above; mixed: each its own
+    # (`StreamShape`, the MIX_ constants), whatever those three say
+    mix: str = "uniform"
 
     def __post_init__(self):
         if not 1 <= self.prompt_tokens <= 750:
@@ -57,6 +69,35 @@ class WorkloadConfig:
             raise InvalidConfig("audio_format", f"{self.audio_format!r}, want pcm16 or float32")
         if self.schedule not in SCHEDULES:
             raise InvalidConfig("schedule", f"{self.schedule!r}, want upstream or blocks")
+        if self.mix not in MIXES:
+            raise InvalidConfig("mix", f"{self.mix!r}, want uniform or mixed")
+
+    def shape(self, index: int) -> StreamShape:
+        """Stream `index`'s voice, length and pace."""
+        if self.mix == "uniform":
+            return StreamShape(index, self.prompt_tokens, self.utterance_tokens, self.pace, 1)
+        rng = np.random.default_rng([self.seed, _MIX, index])
+        voice = int(rng.integers(len(MIX_PROMPT_TOKENS)))
+        tokens = round(MIX_MEDIAN_TOKENS * float(np.exp(MIX_SIGMA * rng.standard_normal())))
+        tokens = min(MIX_MAX_TOKENS, max(MIX_MIN_TOKENS, tokens))
+        paced = rng.random() < MIX_PACED_SHARE
+        pace = float(rng.uniform(*MIX_PACE_RANGE)) if paced else 0.0
+        burst = int(rng.integers(1, MIX_MAX_BURST + 1))
+        return StreamShape(voice, MIX_PROMPT_TOKENS[voice], tokens, pace, burst)
+
+    @property
+    def mean_utterance_seconds(self) -> float:
+        """The mean audio length of a stream (the mixed one's over its first 4000 streams)."""
+        if self.mix == "uniform":
+            return self.utterance_seconds
+        return float(np.mean([self.shape(i).utterance_tokens for i in range(4000)])) / TOKEN_RATE
+
+    @property
+    def longest_input_seconds(self) -> float:
+        """How long the slowest stream's tokens take to send."""
+        if self.mix == "uniform":
+            return self.utterance_tokens / self.pace if self.pace > 0 else 0.0
+        return MIX_MAX_TOKENS / MIX_PACE_RANGE[0]
 
     @property
     def schedule_config(self) -> ScheduleConfig:
@@ -65,6 +106,15 @@ class WorkloadConfig:
     @property
     def utterance_seconds(self) -> float:
         return self.utterance_tokens / TOKEN_RATE
+
+
+@dataclass(frozen=True)
+class StreamShape:
+    voice: int  # which voice (`make_bench_voice` index); the mixed workload has six
+    prompt_tokens: int
+    utterance_tokens: int
+    pace: float  # tokens/s; 0: all at once
+    burst: int  # tokens per message when paced
 
 
 def make_bench_voice(seed: int, index: int, num_prompt_tokens: int) -> VoiceData:

@@ -546,3 +546,54 @@ def test_a_failing_load_process_fails_the_run_and_leaves_no_process():
     with pytest.raises(LoadgenError, match="(?s)load-generator process . failed.*TypeError"):
         run_load(plan, Progress("", 0, enabled=False))
     assert multiprocessing.active_children() == []
+
+
+def test_the_mixed_workload_has_the_issues_shape():
+    """Six voices of 2-8 s prompts, utterances of 1-30 s with a median near 6 s, three in four
+    streams paced at 40-120 tokens/s in bursts of 1-5, the rest at once; seeded per stream."""
+    from bench.workload import MIX_PROMPT_TOKENS
+
+    wl = WorkloadConfig(mix="mixed")
+    shapes = [wl.shape(i) for i in range(2000)]
+    assert shapes[7] == WorkloadConfig(mix="mixed").shape(7)
+    assert shapes[7] != WorkloadConfig(mix="mixed", seed=1).shape(7)
+    assert {s.voice for s in shapes} == set(range(6))
+    assert all(s.prompt_tokens == MIX_PROMPT_TOKENS[s.voice] for s in shapes)
+    assert {s.prompt_tokens for s in shapes} == {50, 75, 100, 125, 150, 200}  # 2 to 8 s
+    lengths = np.array([s.utterance_tokens for s in shapes])
+    assert lengths.min() == 25 and lengths.max() == 750  # 1 and 30 s, both reached
+    assert 130 <= np.median(lengths) <= 170  # ~6 s
+    paced = [s for s in shapes if s.pace > 0]
+    assert 0.7 <= len(paced) / len(shapes) <= 0.8
+    assert all(40 <= s.pace <= 120 and 1 <= s.burst <= 5 for s in paced)
+    assert abs(wl.mean_utterance_seconds - lengths.mean() / 25) < 0.5
+    assert wl.longest_input_seconds == 750 / 40
+    # uniform: the flags' values for every stream
+    u = WorkloadConfig(prompt_tokens=50, utterance_tokens=100, pace=30).shape(3)
+    assert (u.prompt_tokens, u.utterance_tokens, u.pace, u.burst) == (50, 100, 30, 1)
+    with pytest.raises(InvalidConfig) as err:
+        WorkloadConfig(mix="bursty")
+    assert err.value.field == "mix"
+
+
+async def test_paced_tokens_go_out_in_bursts():
+    from bench.loadgen import _feed
+
+    class Sink:
+        def __init__(self):
+            self.sizes = []
+
+        async def send(self, tokens):
+            self.sizes.append(len(tokens))
+
+        async def end(self):
+            self.sizes.append("end")
+
+    sink = Sink()
+    rec = StreamRecord("s", 12, [None])
+    rec.token_sent = [0.0] * 12
+    await _feed(sink, np.arange(12), 2000.0, rec, burst=5)
+    sizes = sink.sizes[:-1]
+    assert sink.sizes[-1] == "end" and sum(sizes) == 12
+    assert all(n >= 5 for n in sizes[:-1])  # a burst waits for its last token (or more came)
+    assert all(b >= a for a, b in zip(rec.token_sent, rec.token_sent[1:]))  # sent in order
