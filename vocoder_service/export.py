@@ -1,4 +1,6 @@
-"""The versioned envelope of an exported session (ExportSession -> ImportSession).
+"""The versioned envelope of an exported session (ExportSession -> ImportSession), and what a
+session's snapshot holds (`snapshot`, `restore`); SessionManager decides when a session may be
+read or replaced.
 
 Layout, all integers little-endian:
     b"T2WV" | u16 format version | u32 header length | header (UTF-8 JSON) | HiFT state bytes
@@ -19,6 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from token2wav.errors import InvalidArgument
+from vocoder_service.chunks import AudioChunk
+from vocoder_service.config import SessionConfig
+from vocoder_service.sessions import Session
 
 MAGIC = b"T2WV"
 FORMAT_VERSION = 1
@@ -141,3 +146,42 @@ def unpack_session(blob: bytes, model_tag: str) -> SessionSnapshot:
         state,
         applied,
     )
+
+
+def snapshot(s: Session, model_tag: str) -> SessionSnapshot:
+    """What continues `s` on another replica: its HiFT state, counts and retry cache."""
+    return SessionSnapshot(
+        model_tag=model_tag,
+        next_seq=s.next_seq,
+        num_frames=s.num_frames,
+        num_samples=s.num_samples,
+        state=s.state.to_bytes(),
+        applied=[
+            RetryEntry(seq, e.digest, e.audio.sample_offset, e.audio.is_final, e.audio.audio)
+            if e.audio is not None
+            else RetryEntry(seq, e.digest, 0, False, None)
+            for seq, e in s.applied.items()
+        ],
+    )
+
+
+def check_state(state, snap: SessionSnapshot) -> None:
+    """The loaded HiFT state must be where the envelope says the stream is, and not final."""
+    emitted = getattr(state, "num_samples_emitted", snap.num_samples)
+    finalized = getattr(state, "finalized", False)
+    if emitted != snap.num_samples or finalized:
+        raise InvalidArgument(
+            "state",
+            f"HiFT state at sample {emitted} (finalized={finalized}), envelope says "
+            f"{snap.num_samples}",
+        )
+
+
+def restore(s: Session, snap: SessionSnapshot, config: SessionConfig) -> None:
+    """Give a session just opened from `snap`'s state the snapshot's counts and retry cache."""
+    s.num_frames, s.num_samples = snap.num_frames, snap.num_samples
+    for e in snap.applied:
+        audio = None
+        if e.audio is not None:
+            audio = AudioChunk(s.request_id, e.seq, e.sample_offset, e.audio, e.is_final)
+        s.remember(e.seq, e.digest, audio, config)

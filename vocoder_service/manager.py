@@ -47,7 +47,7 @@ from vocoder_service import metrics
 from vocoder_service.batch_policy import batch_order, fits
 from vocoder_service.chunks import AudioChunk, MelChunk
 from vocoder_service.config import SessionConfig
-from vocoder_service.export import RetryEntry, SessionSnapshot
+from vocoder_service.export import SessionSnapshot, check_state, restore, snapshot
 from vocoder_service.sessions import Session, SessionStatus
 
 logger = logging.getLogger(__name__)
@@ -478,19 +478,7 @@ class SessionManager:
                 self._refresh(s, self.clock())
         if s.status != SessionStatus.ACTIVE:
             raise NotFound(f"request_id {request_id!r}: session ended during the export")
-        snap = SessionSnapshot(
-            model_tag=self.model_tag,
-            next_seq=s.next_seq,
-            num_frames=s.num_frames,
-            num_samples=s.num_samples,
-            state=s.state.to_bytes(),
-            applied=[
-                RetryEntry(seq, e.digest, e.audio.sample_offset, e.audio.is_final, e.audio.audio)
-                if e.audio is not None
-                else RetryEntry(seq, e.digest, 0, False, None)
-                for seq, e in s.applied.items()
-            ],
-        )
+        snap = snapshot(s, self.model_tag)
         if remove:
             self._close(
                 s,
@@ -511,13 +499,7 @@ class SessionManager:
             state = self._load_state(snap.state)
         except ValueError as exc:
             raise InvalidArgument("state", f"HiFT state does not load: {exc}") from None
-        emitted = getattr(state, "num_samples_emitted", snap.num_samples)
-        if emitted != snap.num_samples or getattr(state, "finalized", False):
-            raise InvalidArgument(
-                "state",
-                f"HiFT state at sample {emitted} (finalized={getattr(state, 'finalized', False)}), "
-                f"envelope says {snap.num_samples}",
-            )
+        check_state(state, snap)
         old = self._active.get(request_id)
         if old is not None:
             self._close(
@@ -526,10 +508,4 @@ class SessionManager:
                 "replaced",
                 Aborted(f"request_id {request_id!r}: replaced by ImportSession"),
             )
-        s = self._open(request_id, state, self.clock(), snap.next_seq)
-        s.num_frames, s.num_samples = snap.num_frames, snap.num_samples
-        for e in snap.applied:
-            audio = None
-            if e.audio is not None:
-                audio = AudioChunk(request_id, e.seq, e.sample_offset, e.audio, e.is_final)
-            s.remember(e.seq, e.digest, audio, self.config)
+        restore(self._open(request_id, state, self.clock(), snap.next_seq), snap, self.config)
