@@ -147,7 +147,7 @@ class FlowRunner:
         the frames it computes, plus half its cached prefix when `plan` reads one: a prefix
         graph moves each cached frame's keys/values twice per layer where the eager solve
         moves them once, and with that weight the bound falls where the two measured alike
-        (docs/BENCHMARKS.md "Graphs over the prefix cache")."""
+        (docs/DESIGN.md "Graphed batches read and write it too")."""
         if plan is None or self.prefix_graphs is None:
             longest = max(req.num_seq_frames for req in requests)
         else:

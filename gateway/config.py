@@ -151,8 +151,8 @@ def build_parser() -> EnvParser:
         choices=("full", "chunked"),
         default="chunked" if d.limits.schedule.chunked_final else "full",
         help="the last call of a stream that sets none: full attention over the utterance "
-        "(upstream's default, exact) or block-causal reusing the cached blocks (cheaper; the "
-        "last chunk differs, docs/BENCHMARKS.md)",
+        "(upstream's default, exact) or block-causal reusing the cached blocks (upstream's "
+        "finalize + streaming: cheaper, and the last chunk differs from the default's)",
     )
     p.flag(
         "--start-buffer-ms",

@@ -59,8 +59,8 @@ class PipelineLimits:
     # earlier than this long after the first chunk's tokens (a start buffer, see `_hold_first`).
     start_buffer_s: float = 0.0
     schedule: ScheduleConfig = ScheduleConfig()  # for streams that set none (--schedule)
-    # Off by default because it measured worse (docs/BENCHMARKS.md, "Graphs over the prefix
-    # cache"): even with graphs reading the cache, a flow solve of any size costs ~5 ms a step,
+    # Off by default because it measured worse (docs/bench/2026-12-04-block-calls-and-prefix-
+    # graphs.md): even with graphs reading the cache, a flow solve of any size costs ~5 ms a step,
     # and a stream makes ~10 block calls where it makes 4 chunk calls. It pays once a small
     # solve costs much less than a chunk's.
     block_calls: bool = False
