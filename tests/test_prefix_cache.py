@@ -63,6 +63,35 @@ def reference(model: FlowModel, calls: list[FlowRequest]) -> list[torch.Tensor]:
     return [model.generate([c])[0] for c in calls]
 
 
+def ops_inside(monkeypatch, hook_class):
+    """(a Counter, a dispatch mode): under the mode, the ops `hook_class._assemble` dispatches
+    (each a kernel launch on a GPU), views excluded; reshape is a view op by schema but counts,
+    because it copies where its input is not contiguous."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: Counter = Counter()
+    inside = [False]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if inside[0] and (not func.is_view or name == "reshape"):
+                ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    assemble = hook_class._assemble
+
+    def counted(self, *args):
+        inside[0] = True
+        try:
+            return assemble(self, *args)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(hook_class, "_assemble", counted)
+    return ops, Count
+
+
 def test_hits_match_recomputation_and_skip_the_prefix(model):
     voice = make_voice(1, 35)
     calls = stream_calls(voice, "a", 230, seed=1)  # hops 40, 50, 100, then final calls
@@ -417,29 +446,9 @@ def test_uniform_batch_kv_hook_launches(model, monkeypatch):
     same call: per step, one copy per layer for K and one for V (the new frames), one per block
     column of the prefix for all layers at once, one per stored block column. Views excluded.
     Before the per-group assembly it was 12 index_select / index_copy_ per layer and step."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     import flow_service.model.prefix_cache as pc
 
-    ops: Counter = Counter()
-    inside = [False]
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if inside[0] and not func.is_view:
-                ops[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
-
-    assemble = pc._KVAssembler._assemble
-
-    def counted(self, *args):
-        inside[0] = True
-        try:
-            return assemble(self, *args)
-        finally:
-            inside[0] = False
-
-    monkeypatch.setattr(pc._KVAssembler, "_assemble", counted)
+    ops, Count = ops_inside(monkeypatch, pc._KVAssembler)
     streams = [stream_calls(make_voice(40 + i, 35), f"k{i}", 230, seed=120 + i) for i in range(2)]
     cache = new_cache(model, share_voice_blocks=False)
     model.generate([s[0] for s in streams], prefix_cache=cache)
@@ -544,31 +553,9 @@ def test_indexed_kv_ops_per_layer(model, monkeypatch):
     GPU, and the per-step kernel count is what bounds a small graphed solve): one gather of the
     prefix, three copies into [prefix | queries], one copy and one scatter for the stored blocks.
     The pool rows come in precomputed: no index arithmetic per layer."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     import flow_service.model.prefix_cache as pc
 
-    ops: Counter = Counter()
-    inside = [False]
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            # reshape is a view op by schema, but copies here (the stored blocks' layout)
-            if inside[0] and (not func.is_view or name == "reshape"):
-                ops[name] += 1
-            return func(*args, **(kwargs or {}))
-
-    assemble = pc.IndexedKV._assemble
-
-    def counted(self, *args):
-        inside[0] = True
-        try:
-            return assemble(self, *args)
-        finally:
-            inside[0] = False
-
-    monkeypatch.setattr(pc.IndexedKV, "_assemble", counted)
+    ops, Count = ops_inside(monkeypatch, pc.IndexedKV)
     streams = [stream_calls(make_voice(70 + i, 35), f"n{i}", 230, seed=150 + i) for i in range(2)]
     cache = new_cache(model, share_voice_blocks=False)
     step = pc.PrefixStep(model.decoder.estimator, cache)
