@@ -98,9 +98,9 @@ def build_parser() -> EnvParser:
         "--graph-max-frames",
         type=int,
         default=d.graph_max_frames,
-        help="largest work (rows x longest DiT sequence, frames) a graphed batch may have; "
-        "larger batches are compute-bound and run eagerly, unpadded and with the prefix "
-        "cache (0: no bound, every batch of up to --graph-max-batch rows is graphed)",
+        help="largest work (rows x the longest row's DiT sequence less half its cached prefix, "
+        "frames) a graphed batch may have; larger batches are compute-bound and run eagerly, "
+        "unpadded (0: no bound, every batch of up to --graph-max-batch rows is graphed)",
     )
     p.flag(
         "--preempt",
