@@ -41,7 +41,7 @@ from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner, ScheduleConfig
 from token2wav import MAX_FRAMES, SAMPLE_RATE, SAMPLES_PER_TOKEN, TOKEN_MEL_RATIO, VOCAB_SIZE
 from token2wav.errors import DETAILS_KEY, STATUS_KEY, InvalidArgument
 from token2wav.security import channel_credentials
-from token2wav.server import channel_options
+from token2wav.server import RECONNECT_OPTIONS, channel_options
 from token2wav.tensors import (
     INT_DTYPES,
     VoiceData,
@@ -322,7 +322,7 @@ def honest_error(exc: grpc.RpcError) -> grpc.RpcError:
 
 def _open_channel(grpc_api, target: str, tls_ca, token, server_name):
     """(channel, call metadata) for a gateway connection; `grpc_api` is grpc or grpc.aio."""
-    options = channel_options()
+    options = channel_options() + RECONNECT_OPTIONS
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
     if not tls_ca:
         return grpc_api.insecure_channel(target, options=options), metadata
@@ -429,10 +429,12 @@ class AsyncStream(_StreamState):
             resume_within_s,
             on_move,
         )
+        self._requests: asyncio.Queue | None = None
         self._open(self._config)
 
     def _open(self, config: gateway_pb2.SynthesizeRequest) -> None:
-        self._requests: asyncio.Queue = asyncio.Queue()  # one per call: a lost call keeps its own
+        self._end_requests()
+        self._requests = asyncio.Queue()  # one per call: a lost call keeps its own
         for msg in (config, *self._sent):
             self._requests.put_nowait(msg)
         if self._ended:
@@ -443,6 +445,12 @@ class AsyncStream(_StreamState):
             timeout=self._call_timeout(),
             metadata=self._metadata,
         )
+
+    def _end_requests(self) -> None:
+        """End the current call's request iterator: gRPC's task that writes it would otherwise
+        wait on the queue for as long as the stream object lives, after the call is gone."""
+        if self._requests is not None:
+            self._requests.put_nowait(None)
 
     @staticmethod
     async def _iter_requests(requests: asyncio.Queue):
@@ -483,10 +491,12 @@ class AsyncStream(_StreamState):
             except grpc.RpcError as exc:
                 lost = honest_error(exc)
                 if not _should_resume(self, exc, first_loss):
+                    self._end_requests()
                     raise lost from None
             first_loss = first_loss or time.monotonic()
             await asyncio.sleep(_resume_pause(self.num_resumes))
             if self._cancelled:  # by the user during the pause
+                self._end_requests()
                 raise lost
             self._open(self._move_on())
 
@@ -710,6 +720,8 @@ class Stream(_StreamState):
             except grpc.RpcError as exc:
                 lost = honest_error(exc)
                 if not _should_resume(self, exc, first_loss):
+                    with self._lock:
+                        self._requests.put(None)  # frees gRPC's sender thread of the lost call
                     raise lost from None
             first_loss = first_loss or time.monotonic()
             time.sleep(_resume_pause(self.num_resumes))
