@@ -294,3 +294,30 @@ def test_client_channels_retry_a_restarted_gateway_within_a_second():
     _open_channel(Recorder, "a:1", None, None, None)
     assert seen["grpc.max_reconnect_backoff_ms"] <= 1000
     assert seen["grpc.initial_reconnect_backoff_ms"] <= 1000
+
+
+@pytest.mark.parametrize(
+    ("code", "cancelled_here", "resumes"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, False, True),
+        (grpc.StatusCode.CANCELLED, False, True),  # the gateway shut down under the call
+        (grpc.StatusCode.CANCELLED, True, False),  # the user's cancel(): never resumed
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, False, False),
+        (grpc.StatusCode.INVALID_ARGUMENT, False, False),
+    ],
+)
+def test_which_errors_resume(code, cancelled_here, resumes):
+    from types import SimpleNamespace
+
+    from gateway.client import _should_resume
+
+    stream = SimpleNamespace(
+        _cancelled=cancelled_here,
+        num_resumes=0,
+        _resume_attempts=3,
+        _resume_within_s=30.0,
+        _deadline=None,
+    )
+    md = grpc.aio.Metadata()
+    exc = grpc.aio.AioRpcError(code, md, md, "details")
+    assert _should_resume(stream, exc, None) is resumes

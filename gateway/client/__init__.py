@@ -391,7 +391,7 @@ class _StreamState:
 class AsyncStream(_StreamState):
     """One Synthesize stream. Send tokens as they come, then `end()`; iterate the audio.
 
-    Resume: when its gateway goes away (UNAVAILABLE, or the transport breaks), the stream opens
+    Resume: when its gateway goes away (UNAVAILABLE, a CANCELLED it did not ask for, or the transport breaks), the stream opens
     itself again on the client's next target with StreamConfig.resume_from_sample = the samples
     received, the tokens sent so far and end() if it was called; iteration yields every sample
     once across it. At most `resume_attempts` times, and not past `resume_within_s` seconds after
@@ -524,7 +524,10 @@ def _should_resume(stream, exc: grpc.RpcError, first_loss: float | None) -> bool
         return False
     if stream._deadline is not None and now >= stream._deadline:
         return False
-    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+    # CANCELLED that this client did not ask for (checked above): the gateway shut down under
+    # the call (a call that reached it as it began to drain), as the gateway itself reads a
+    # replica's CANCELLED.
+    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return True
     # The transport broke under a write of ours and no status came from the gateway.
     return honest_error(exc) is not exc and not _server_status(exc)
