@@ -391,12 +391,13 @@ class _StreamState:
 class AsyncStream(_StreamState):
     """One Synthesize stream. Send tokens as they come, then `end()`; iterate the audio.
 
-    Resume: when its gateway goes away (UNAVAILABLE, a CANCELLED it did not ask for, or the transport breaks), the stream opens
-    itself again on the client's next target with StreamConfig.resume_from_sample = the samples
-    received, the tokens sent so far and end() if it was called; iteration yields every sample
-    once across it. At most `resume_attempts` times, and not past `resume_within_s` seconds after
-    the first loss. PCM16/FLOAT32 at 24 kHz only (other outputs end with the error, as before).
-    The resumed audio is recomputed: equal to the lost stream's within fp32 rounding."""
+    Resume: when its gateway goes away (UNAVAILABLE, a CANCELLED it did not ask for, or the
+    transport breaks), the stream opens itself again on the client's next target with
+    StreamConfig.resume_from_sample = the samples received, the tokens sent so far and end() if
+    it was called; iteration yields every sample once across it. At most `resume_attempts`
+    times, and not past `resume_within_s` seconds after the first loss. PCM16/FLOAT32 at 24 kHz
+    only (other outputs end with the error, as before). The resumed audio is recomputed: equal
+    to the lost stream's within fp32 rounding."""
 
     def __init__(
         self,
