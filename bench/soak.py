@@ -306,7 +306,9 @@ async def wait_serving(stack: Stack, name: str, timeout: float = 120.0) -> None:
     raise RuntimeError(f"{name} did not come back within {timeout:.0f} s")
 
 
-async def probe(targets, inputs, tally: Tally, since: float) -> tuple[float | None, float | None]:
+async def probe(
+    targets, inputs, tally: Tally, since: float, label: str
+) -> tuple[float | None, float | None]:
     """Seconds from `since` until a fresh client (both gateways, the default resume bounds)
     gets a short stream's first audio, and until the stream has all of it; None past the
     bound."""
@@ -317,7 +319,9 @@ async def probe(targets, inputs, tally: Tally, since: float) -> tuple[float | No
         first = None
         try:
             async with AsyncClient(targets) as client:
-                stream = client.stream(voice, audio_format="float32", request_id=f"probe-{n}")
+                stream = client.stream(
+                    voice, audio_format="float32", request_id=f"probe-{label}-{n}"
+                )
                 await stream.send(tokens)
                 await stream.end()
                 got = 0
@@ -359,7 +363,8 @@ async def fault(stack: Stack, kind: str, tally: Tally, rng: random.Random, t0, i
     tally.watched.update((s, kind) for s in in_flight if s not in tally.watched)
     at = time.monotonic()
     proc.send_signal(signal.SIGKILL if how == "kill" else signal.SIGTERM)
-    probing = asyncio.ensure_future(probe(stack.targets(), inputs, tally, at))
+    label = str(len(tally.events))
+    probing = asyncio.ensure_future(probe(stack.targets(), inputs, tally, at, label))
     await asyncio.to_thread(proc.wait, 60)
     exited = time.monotonic() - at
     tally.faults[kind] += 1
@@ -567,7 +572,7 @@ def plot(data: dict, path: Path) -> bool:
             for ax in (a, b):
                 ax.axvline(e["t"] / 60, color=colors[what], alpha=0.25, lw=0.8)
             mark = "x" if e["kind"].startswith("kill") else "o"
-            for key, y in (("serving_again_after_s", 0), ("new_stream_ok_after_s", 1)):
+            for key, y in (("serving_again_after_s", 0), ("new_stream_audio_after_s", 1)):
                 if e[key] is not None:
                     c.scatter(
                         e["t"] / 60,
@@ -581,7 +586,7 @@ def plot(data: dict, path: Path) -> bool:
     c.set_yscale("log")
     c.set_xlabel("minutes")
     c.set_title(
-        "after each fault: solid = a new stream succeeded, faint = process SERVING again; "
+        "after each fault: solid = a new client's first audio, faint = process SERVING again; "
         "x SIGKILL, o SIGTERM; blue flow, orange vocoder, red gateway",
         fontsize=8,
     )
