@@ -546,3 +546,28 @@ def test_a_failing_load_process_fails_the_run_and_leaves_no_process():
     with pytest.raises(LoadgenError, match="(?s)load-generator process . failed.*TypeError"):
         run_load(plan, Progress("", 0, enabled=False))
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.slow
+def test_soak_with_gateway_faults_passes_and_its_report_adds_up(tmp_path):
+    """The real soak, short: 2 gateways, one SIGKILLed and one SIGTERMed under the clients;
+    every bar holds and the JSON's figures agree with each other."""
+    from bench.soak import main as soak_main
+
+    out = tmp_path / "out"
+    argv = [
+        "--duration", "25", "--fault-interval", "2", "--faults", "kill_gateway,term_gateway",
+        "--num-inputs", "2", "--clients", "3", "--sample-interval", "5",
+        "--log-dir", str(tmp_path / "logs"), "--out-dir", str(out),
+    ]  # fmt: skip
+    assert soak_main(argv) == 0
+    data = json.loads((out / "soak.json").read_text())
+    assert data["missed_bars"] == []
+    assert data["faults"].get("kill_gateway", 0) + data["faults"].get("term_gateway", 0) >= 1
+    assert data["streams"] == sum(data["outcomes"].values()) > 0
+    assert data["samples_lost"] == data["samples_duplicated"] == data["audio_mismatch"] == 0
+    events = [e for e in data["events"] if e["kind"].endswith("_gateway")]
+    assert events and all(e["process"].startswith("gateway") for e in events)
+    assert all(e["new_stream_ok_after_s"] is not None for e in events)
+    assert all(set(r["rss_mib"]) == {"gateway", "gateway.1", "flow_service", "flow_service.1",
+               "vocoder_service", "vocoder_service.1"} for r in data["series"])  # fmt: skip
