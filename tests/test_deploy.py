@@ -2,9 +2,11 @@
 
 - deploy/k8s/: every object against the Kubernetes JSON schemas bundled by kubernetes-validate
   (strict: an unknown or misspelled field fails), then what no schema sees: selectors that
-  match, headless Services where the gateway balances itself, gRPC probes on the serving port,
-  grace periods that cover a drain plus the longest stream, GPU requests, env vars that the
-  services really read, with values they accept.
+  match, headless Services where the gateway balances itself, the gateway's one ClusterIP
+  Service that clients resume through, gRPC probes on the serving port, a preStop and a
+  termination grace that covers it plus the drain and the longest stream, PodDisruptionBudgets
+  that take one pod of a kind at a time, GPU requests, env vars that the services really read,
+  with values they accept.
 - deploy/k8s-tls (overlay) and deploy/k8s/frontend (component): their patches applied to the base
   objects, then the same checks, plus probes on the plaintext health port, files inside the
   Secret's mount, and no pod holding another identity's key.
