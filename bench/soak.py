@@ -342,7 +342,9 @@ async def probe(
     return None, None
 
 
-async def fault(stack: Stack, kind: str, tally: Tally, rng: random.Random, t0, inputs) -> None:
+async def fault(
+    stack: Stack, kind: str, tally: Tally, rng: random.Random, t0, inputs, spare: bool = False
+) -> None:
     if kind == "fuzz":
         for _ in range(20):
             module, method = rng.choice(FUZZ_METHODS)
@@ -357,7 +359,10 @@ async def fault(stack: Stack, kind: str, tally: Tally, rng: random.Random, t0, i
         return
     how, what = kind.split("_", 1)  # kill_vocoder, term_gateway, ...
     module = "gateway" if what == "gateway" else f"{what}_service"
-    name = rng.choice([n for n in stack.procs if module_of(n) == module])
+    names = [n for n in stack.procs if module_of(n) == module]
+    if spare:  # the first process of each kind takes every fault; the others live throughout
+        names = names[:1]
+    name = rng.choice(names)
     proc = stack.procs[name]
     in_flight = [s for s, admitted in tally.active.items() if admitted]
     tally.watched.update((s, kind) for s in in_flight if s not in tally.watched)
@@ -395,7 +400,7 @@ async def faults(stack, args, tally: Tally, stop_at: float, rng: random.Random, 
         await asyncio.sleep(args.fault_interval)
         if n % len(kinds) == 0:
             rng.shuffle(kinds)  # every kind once per round, in a random order
-        await fault(stack, kinds[n % len(kinds)], tally, rng, t0, inputs)
+        await fault(stack, kinds[n % len(kinds)], tally, rng, t0, inputs, args.spare_replicas)
         n += 1
 
 
@@ -671,6 +676,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=lambda s: [k.strip() for k in s.split(",") if k.strip()],
         default=FAULT_KINDS,
         help=f"comma-separated fault kinds, from {','.join(FAULT_KINDS)} (default: all)",
+    )
+    p.add_argument(
+        "--spare-replicas",
+        action="store_true",
+        help="fault only the first gateway, flow and vocoder process; the second of each lives "
+        "the whole run, so its RSS over time shows a leak (it still carries the load)",
     )
     p.add_argument("--cancel-p", type=float, default=0.1, help="share of streams that cancel")
     p.add_argument(
