@@ -67,7 +67,7 @@ FAULT_KINDS = [
 GAUGES = {
     "gateway": ["t2w_gateway_active_streams"],
     "vocoder_service": ["t2w_vocoder_active_sessions", "t2w_vocoder_closed_sessions"],
-    "flow_service": ["t2w_flow_prefix_cache_entries"],
+    "flow_service": ["t2w_flow_prefix_cache_entries", "t2w_flow_prefix_cache_bytes"],
 }
 RECOVERY_BOUND_S = 120.0  # a probe that has not succeeded by then counts as never recovered
 PROBE_TOKENS = 25  # a 1 s probe stream: its time to finish is mostly the time to recover
@@ -566,7 +566,7 @@ def plot(data: dict, path: Path) -> bool:
     a.set_ylabel("RSS MiB")
     a.legend(fontsize=7, ncol=3)
     b.plot(t, [r["client_streams"] for r in series], label="client streams open", color="k")
-    for g in sorted({g for r in series for g in r["open"]}):
+    for g in sorted({g for r in series for g in r["open"] if not g.endswith("_bytes")}):
         b.plot(t, [r["open"].get(g, np.nan) for r in series], label=g.removeprefix("t2w_"))
     b.set_ylabel("open now")
     b.legend(fontsize=7)
