@@ -20,18 +20,9 @@ import time
 import grpc
 
 from token2wav import tracing
-from token2wav.server import channel_options
+from token2wav.server import RECONNECT_OPTIONS, channel_options
 
 logger = logging.getLogger(__name__)
-
-
-# A replica that comes back gets calls within about a second: gRPC's default reconnect backoff
-# grows to 120 s, during which a channel fails fast without even trying the restarted replica.
-RECONNECT_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
 
 def parse_spec(spec: str) -> tuple[list[str], tuple[str, int] | None]:

@@ -597,3 +597,28 @@ async def test_paced_tokens_go_out_in_bursts():
     assert sink.sizes[-1] == "end" and sum(sizes) == 12
     assert all(n >= 5 for n in sizes[:-1])  # a burst waits for its last token (or more came)
     assert all(b >= a for a, b in zip(rec.token_sent, rec.token_sent[1:]))  # sent in order
+
+
+@pytest.mark.slow
+def test_soak_with_gateway_faults_passes_and_its_report_adds_up(tmp_path):
+    """The real soak, short: 2 gateways, one SIGKILLed and one SIGTERMed under the clients;
+    every bar holds and the JSON's figures agree with each other."""
+    from bench.soak import main as soak_main
+
+    out = tmp_path / "out"
+    argv = [
+        "--duration", "25", "--fault-interval", "2", "--faults", "kill_gateway,term_gateway",
+        "--num-inputs", "2", "--clients", "3", "--sample-interval", "5",
+        "--log-dir", str(tmp_path / "logs"), "--out-dir", str(out),
+    ]  # fmt: skip
+    assert soak_main(argv) == 0
+    data = json.loads((out / "soak.json").read_text())
+    assert data["missed_bars"] == []
+    assert data["faults"].get("kill_gateway", 0) + data["faults"].get("term_gateway", 0) >= 1
+    assert data["streams"] == sum(data["outcomes"].values()) > 0
+    assert data["samples_lost"] == data["samples_duplicated"] == data["audio_mismatch"] == 0
+    events = [e for e in data["events"] if e["kind"].endswith("_gateway")]
+    assert events and all(e["process"].startswith("gateway") for e in events)
+    assert all(e["new_stream_ok_after_s"] is not None for e in events)
+    assert all(set(r["rss_mib"]) == {"gateway", "gateway.1", "flow_service", "flow_service.1",
+               "vocoder_service", "vocoder_service.1"} for r in data["series"])  # fmt: skip

@@ -2,9 +2,11 @@
 
 - deploy/k8s/: every object against the Kubernetes JSON schemas bundled by kubernetes-validate
   (strict: an unknown or misspelled field fails), then what no schema sees: selectors that
-  match, headless Services where the gateway balances itself, gRPC probes on the serving port,
-  grace periods that cover a drain plus the longest stream, GPU requests, env vars that the
-  services really read, with values they accept.
+  match, headless Services where the gateway balances itself, the gateway's one ClusterIP
+  Service that clients resume through, gRPC probes on the serving port, a preStop and a
+  termination grace that covers it plus the drain and the longest stream, PodDisruptionBudgets
+  that take one pod of a kind at a time, GPU requests, env vars that the services really read,
+  with values they accept.
 - deploy/k8s-tls (overlay) and deploy/k8s/frontend (component): their patches applied to the base
   objects, then the same checks, plus probes on the plaintext health port, files inside the
   Secret's mount, and no pod holding another identity's key.
@@ -226,15 +228,92 @@ def test_k8s_probes_are_grpc_on_the_serving_port(name):
     assert budget >= 120
 
 
-@pytest.mark.parametrize("name", sorted(SERVICES))
-def test_k8s_termination_grace_covers_drain_and_streams(name):
-    dep = deployment(name)
+def pre_stop_seconds(c: dict) -> float:
+    """The container's preStop: a sleep (the pod serves on while it leaves the Service)."""
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and len(command) == 2, command
+    return float(command[1])
+
+
+def check_shutdown(name: str, dep: dict) -> None:
+    """preStop, then SIGTERM: the drain delay (NOT_SERVING, still serving), then the grace
+    period for the calls in flight; the pod's termination grace covers all three with a margin,
+    so SIGKILL never cuts a stream the service was willing to finish."""
     prefix = SERVICES[name][0]
-    env = env_of(container(dep))
+    c = container(dep)
+    env = env_of(c)
     drain, grace = float(env[f"{prefix}_DRAIN_DELAY"]), float(env[f"{prefix}_GRACE_PERIOD"])
-    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain + grace
+    pre_stop = pre_stop_seconds(c)
+    assert pre_stop >= 1 and drain >= 1  # endpoints and DNS take a moment to drop the pod
+    total = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert total >= pre_stop + drain + grace + 5, (total, pre_stop, drain, grace)
     if name in ("gateway", "vocoder"):  # they hold streams; flow calls are short and unary
         assert grace > LONGEST_STREAM_S
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_k8s_termination_grace_covers_prestop_drain_and_streams(name):
+    check_shutdown(name, deployment(name))
+
+
+def _no_pre_stop(d):
+    del container(d)["lifecycle"]
+
+
+def _pre_stop_eats_the_margin(d):
+    container(d)["lifecycle"]["preStop"]["exec"]["command"] = ["sleep", "30"]
+
+
+def _no_drain_delay(d):
+    (e,) = [e for e in container(d)["env"] if e["name"] == "GATEWAY_DRAIN_DELAY"]
+    e["value"] = "0"
+
+
+@pytest.mark.parametrize("mutate", [_no_pre_stop, _pre_stop_eats_the_margin, _no_drain_delay])
+def test_k8s_shutdown_check_can_fail(mutate):
+    bad = copy.deepcopy(deployment("gateway"))
+    mutate(bad)
+    with pytest.raises((AssertionError, KeyError)):
+        check_shutdown("gateway", bad)
+
+
+def test_k8s_clients_resume_through_the_gateway_service():
+    """The gateway is a Deployment of several pods behind one ClusterIP Service: a client given
+    that one address (the documented one) resumes a lost stream on it, and the new connection
+    lands on a pod that is still ready."""
+    dep = deployment("gateway")
+    assert dep["kind"] == "Deployment" and dep["spec"]["replicas"] >= 2
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    (svc,) = [s for s in objects("Service") if selects(s["spec"]["selector"], labels)]
+    assert svc["spec"].get("type", "ClusterIP") == "ClusterIP"
+    assert svc["spec"].get("clusterIP") != "None"  # one virtual IP, balanced per connection
+    assert svc["spec"].get("sessionAffinity", "None") == "None"
+    address = f"{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}"
+    doc = (ROOT / "docs" / "DEPLOYMENT.md").read_text()
+    at = [m.start() for m in re.finditer(re.escape(f'AsyncClient("{address}"'), doc)]
+    assert at, f"docs/DEPLOYMENT.md gives clients no AsyncClient({address!r})"
+    assert any("resume" in doc[max(0, i - 600) : i + 600] for i in at), "nor says it resumes"
+    from gateway.client import AsyncClient
+
+    assert AsyncClient.__init__.__kwdefaults__["resume_attempts"] >= 1  # on by default
+
+
+def test_k8s_disruptions_take_one_pod_at_a_time_and_leave_one():
+    hpas = {component(h): h for h in objects("HorizontalPodAutoscaler")}
+    pdbs = {component(p): p for p in objects("PodDisruptionBudget")}
+    assert set(pdbs) == set(SERVICES)
+    for name in SERVICES:
+        dep = deployment(name)
+        # an eviction (node drain) takes one pod at a time: the others carry its streams
+        assert pdbs[name]["spec"] == {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": dep["spec"]["selector"]["matchLabels"]},
+        }, name
+        # and there is always another: never fewer than 2 replicas
+        assert dep["spec"]["replicas"] >= 2, name
+        assert name not in hpas or hpas[name]["spec"]["minReplicas"] >= 2, name
+        # a rolling update starts the new pod before the old one leaves
+        assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0, name
 
 
 def test_k8s_gpu_requests():
@@ -641,6 +720,12 @@ def test_strategic_merge_can_fail_the_schema():
     )
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, K8S_VERSIONS[-1], strict=True)
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_overlay_keeps_the_shutdown_sequence(overlay):
+    for name, dep in patched(overlay).items():
+        check_shutdown(name, dep)
 
 
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))

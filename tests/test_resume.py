@@ -13,8 +13,9 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from _stack import gateway_config, start_stack, stream_inputs
+from _stack import gateway_config, start_stack, stream_inputs, until
 
+from bench.soak import Tally, book_failure, failed, references, settle
 from flow_service.model import load_flow
 from gateway.client import AsyncClient, Client, decode_audio, split_targets
 from gateway.service import GatewayService
@@ -194,3 +195,129 @@ def test_targets_and_resume_bounds_are_checked():
         split_targets(",")
     with pytest.raises(ValueError, match="resume_attempts"):
         AsyncClient("a:1", resume_attempts=-1)
+
+
+def _request_writers() -> list[asyncio.Task]:
+    """gRPC's tasks that write a call's request iterator, still running."""
+    return [
+        t
+        for t in asyncio.all_tasks()
+        if not t.done() and "_consume_request_iterator" in repr(t.get_coro())
+    ]
+
+
+async def test_soak_books_a_stream_resumed_across_a_gateway_kill(models):
+    """bench/soak.py's accounting of a stream whose gateway is killed under it: the reference
+    from its undisturbed run, one resume, no sample lost or duplicated, the audio within atol;
+    and the same bookkeeping catches a dropped or repeated chunk and a failure at a fault."""
+    stack = await start_stack(models)
+    routes = [
+        "--flow-addr",
+        f"127.0.0.1:{stack.flow_ports[0]}",
+        "--vocoder-addr",
+        f"127.0.0.1:{stack.vocoder_ports[0]}",
+    ]
+    second = await start(GatewayService(gateway_config(*routes)))
+    try:
+        voice, tokens = stream_inputs(11, 20, 160)
+        targets = [stack.target, f"127.0.0.1:{second.port}"]
+        tally = Tally()
+        await references(targets[1:], [(voice, tokens)], tally)
+        assert tally.references[0].size == SAMPLES_PER_TOKEN * len(tokens)
+        async with AsyncClient(targets, resume_attempts=2) as client:
+            stream = client.stream(voice, request_id="soak-1")
+            await stream.send(tokens[:60])  # the input stays open: the stream cannot end
+            chunks = []
+            async for chunk in stream:
+                chunks.append(chunk)
+                if len(chunks) == 1:
+                    gateway, stack.gateway = stack.gateway, None
+                    await gateway.kill()
+                    await stream.send(tokens[60:])
+                    await stream.end()
+            # the lost call's request writer ended with it, not left waiting on its queue
+            await until(lambda: not _request_writers(), what="a request writer still waits")
+        assert settle(tally, 0, chunks, len(tokens), stream.num_resumes, atol=1e-4)
+        assert (tally.resumes, tally.resumed_streams, tally.outcomes["OK"]) == (1, 1, 1)
+        assert (tally.samples_lost, tally.samples_duplicated, tally.audio_mismatch) == (0, 0, 0)
+        assert 0 <= tally.max_abs_diff <= 1e-4
+        assert failed(tally) == []
+
+        # a chunk lost in the resume, then one delivered twice: both seen, both mismatches
+        n = chunks[1].samples.size
+        assert not settle(tally, 0, [chunks[0], *chunks[2:]], len(tokens), 1, atol=1e-4)
+        assert (tally.samples_lost, tally.samples_duplicated) == (n, 0)
+        assert not settle(tally, 0, [chunks[0], *chunks], len(tokens), 1, atol=1e-4)
+        assert tally.samples_duplicated == chunks[0].samples.size
+        assert tally.audio_mismatch == 2
+        # a stream in flight at a gateway kill that then failed misses the bar
+        tally.watched[7] = "kill_gateway"
+        book_failure(tally, 7, "UNAVAILABLE", "gone")
+        assert tally.admitted_failed == {"kill_gateway: UNAVAILABLE": 1}
+        assert "streams in flight at a fault that failed: 1" in failed(tally)
+    finally:
+        await second.drain()
+        await stack.stop()
+
+
+async def test_a_stream_that_cannot_resume_ends_its_request_writer(models):
+    stack = await start_stack(models)
+    try:
+        voice, tokens = stream_inputs(12, 20, 120)
+        async with AsyncClient(stack.target, resume_attempts=0) as client:
+            stream = client.stream(voice)
+            await stream.send(tokens[:60])  # no end(): the writer waits for more input
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stream:
+                    gateway, stack.gateway = stack.gateway, None
+                    await gateway.kill()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            await until(lambda: not _request_writers(), what="a request writer still waits")
+    finally:
+        await stack.stop()
+
+
+def test_client_channels_retry_a_restarted_gateway_within_a_second():
+    """gRPC's default reconnect backoff grows to 120 s, and a channel in backoff fails a
+    resumed stream at once without trying its gateway: the soak saw streams fail that way on a
+    gateway restarted seconds before, while the other one drained."""
+    from gateway.client import _open_channel
+
+    seen = {}
+
+    class Recorder:
+        @staticmethod
+        def insecure_channel(target, options):
+            seen.update(options)
+            return object()
+
+    _open_channel(Recorder, "a:1", None, None, None)
+    assert seen["grpc.max_reconnect_backoff_ms"] <= 1000
+    assert seen["grpc.initial_reconnect_backoff_ms"] <= 1000
+
+
+@pytest.mark.parametrize(
+    ("code", "cancelled_here", "resumes"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, False, True),
+        (grpc.StatusCode.CANCELLED, False, True),  # the gateway shut down under the call
+        (grpc.StatusCode.CANCELLED, True, False),  # the user's cancel(): never resumed
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, False, False),
+        (grpc.StatusCode.INVALID_ARGUMENT, False, False),
+    ],
+)
+def test_which_errors_resume(code, cancelled_here, resumes):
+    from types import SimpleNamespace
+
+    from gateway.client import _should_resume
+
+    stream = SimpleNamespace(
+        _cancelled=cancelled_here,
+        num_resumes=0,
+        _resume_attempts=3,
+        _resume_within_s=30.0,
+        _deadline=None,
+    )
+    md = grpc.aio.Metadata()
+    exc = grpc.aio.AioRpcError(code, md, md, "details")
+    assert _should_resume(stream, exc, None) is resumes

@@ -108,6 +108,17 @@ class ServerOptions:
         )
 
 
+# A server that comes back gets calls within about a second: gRPC's default reconnect backoff
+# grows to 120 s, during which a channel fails fast without even trying the restarted server.
+# The gateway's channels to its replicas use these, and so do the client library's to gateways
+# (a stream resuming on a gateway that was restarted a moment ago).
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 def channel_options(max_message_mb: int = 64) -> list[tuple[str, int]]:
     """Options for servers and clients alike: big tensors, and keepalives that keep long idle
     streams (a client waiting on its LLM) alive through proxies without being called abusive."""

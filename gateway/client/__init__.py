@@ -41,7 +41,7 @@ from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner, ScheduleConfig
 from token2wav import MAX_FRAMES, SAMPLE_RATE, SAMPLES_PER_TOKEN, TOKEN_MEL_RATIO, VOCAB_SIZE
 from token2wav.errors import DETAILS_KEY, STATUS_KEY, InvalidArgument
 from token2wav.security import channel_credentials
-from token2wav.server import channel_options
+from token2wav.server import RECONNECT_OPTIONS, channel_options
 from token2wav.tensors import (
     INT_DTYPES,
     VoiceData,
@@ -322,7 +322,7 @@ def honest_error(exc: grpc.RpcError) -> grpc.RpcError:
 
 def _open_channel(grpc_api, target: str, tls_ca, token, server_name):
     """(channel, call metadata) for a gateway connection; `grpc_api` is grpc or grpc.aio."""
-    options = channel_options()
+    options = channel_options() + RECONNECT_OPTIONS
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
     if not tls_ca:
         return grpc_api.insecure_channel(target, options=options), metadata
@@ -391,12 +391,13 @@ class _StreamState:
 class AsyncStream(_StreamState):
     """One Synthesize stream. Send tokens as they come, then `end()`; iterate the audio.
 
-    Resume: when its gateway goes away (UNAVAILABLE, or the transport breaks), the stream opens
-    itself again on the client's next target with StreamConfig.resume_from_sample = the samples
-    received, the tokens sent so far and end() if it was called; iteration yields every sample
-    once across it. At most `resume_attempts` times, and not past `resume_within_s` seconds after
-    the first loss. PCM16/FLOAT32 at 24 kHz only (other outputs end with the error, as before).
-    The resumed audio is recomputed: equal to the lost stream's within fp32 rounding."""
+    Resume: when its gateway goes away (UNAVAILABLE, a CANCELLED it did not ask for, or the
+    transport breaks), the stream opens itself again on the client's next target with
+    StreamConfig.resume_from_sample = the samples received, the tokens sent so far and end() if
+    it was called; iteration yields every sample once across it. At most `resume_attempts`
+    times, and not past `resume_within_s` seconds after the first loss. PCM16/FLOAT32 at 24 kHz
+    only (other outputs end with the error, as before). The resumed audio is recomputed: equal
+    to the lost stream's within fp32 rounding."""
 
     def __init__(
         self,
@@ -429,10 +430,12 @@ class AsyncStream(_StreamState):
             resume_within_s,
             on_move,
         )
+        self._requests: asyncio.Queue | None = None
         self._open(self._config)
 
     def _open(self, config: gateway_pb2.SynthesizeRequest) -> None:
-        self._requests: asyncio.Queue = asyncio.Queue()  # one per call: a lost call keeps its own
+        self._end_requests()
+        self._requests = asyncio.Queue()  # one per call: a lost call keeps its own
         for msg in (config, *self._sent):
             self._requests.put_nowait(msg)
         if self._ended:
@@ -443,6 +446,12 @@ class AsyncStream(_StreamState):
             timeout=self._call_timeout(),
             metadata=self._metadata,
         )
+
+    def _end_requests(self) -> None:
+        """End the current call's request iterator: gRPC's task that writes it would otherwise
+        wait on the queue for as long as the stream object lives, after the call is gone."""
+        if self._requests is not None:
+            self._requests.put_nowait(None)
 
     @staticmethod
     async def _iter_requests(requests: asyncio.Queue):
@@ -483,10 +492,12 @@ class AsyncStream(_StreamState):
             except grpc.RpcError as exc:
                 lost = honest_error(exc)
                 if not _should_resume(self, exc, first_loss):
+                    self._end_requests()
                     raise lost from None
             first_loss = first_loss or time.monotonic()
             await asyncio.sleep(_resume_pause(self.num_resumes))
             if self._cancelled:  # by the user during the pause
+                self._end_requests()
                 raise lost
             self._open(self._move_on())
 
@@ -514,7 +525,10 @@ def _should_resume(stream, exc: grpc.RpcError, first_loss: float | None) -> bool
         return False
     if stream._deadline is not None and now >= stream._deadline:
         return False
-    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+    # CANCELLED that this client did not ask for (checked above): the gateway shut down under
+    # the call (a call that reached it as it began to drain), as the gateway itself reads a
+    # replica's CANCELLED.
+    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return True
     # The transport broke under a write of ours and no status came from the gateway.
     return honest_error(exc) is not exc and not _server_status(exc)
@@ -710,6 +724,8 @@ class Stream(_StreamState):
             except grpc.RpcError as exc:
                 lost = honest_error(exc)
                 if not _should_resume(self, exc, first_loss):
+                    with self._lock:
+                        self._requests.put(None)  # frees gRPC's sender thread of the lost call
                     raise lost from None
             first_loss = first_loss or time.monotonic()
             time.sleep(_resume_pause(self.num_resumes))
