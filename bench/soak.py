@@ -610,7 +610,7 @@ async def soak(args, argv: list[str]) -> int:
         vocoder_replicas=2,
         gateways=2,
         threads=1,
-        flow_args=("--max-wait-ms", "2", "--grace-period", "3"),
+        flow_args=("--max-wait-ms", "2", "--grace-period", "3", *args.flow_arg),
         vocoder_args=("--grace-period", "3"),
         gateway_args=(
             "--max-streams",
@@ -682,6 +682,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="fault only the first gateway, flow and vocoder process; the second of each lives "
         "the whole run, so its RSS over time shows a leak (it still carries the load)",
+    )
+    p.add_argument(
+        "--flow-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra flag for the flow replicas, repeatable (--flow-arg=--prefix-cache-mb=64: "
+        "a cache that fills within the run, so the flow's RSS must level off)",
     )
     p.add_argument("--cancel-p", type=float, default=0.1, help="share of streams that cancel")
     p.add_argument(
