@@ -342,17 +342,17 @@ class _StreamState:
         self,
         stub,
         voice,
-        audio_format,
-        request_id,
-        schedule,
-        timeout,
-        metadata,
-        max_message_mb,
-        sample_rate,
-        stubs,
-        resume_attempts,
-        resume_within_s,
-        on_move,
+        audio_format="float32",
+        request_id="",
+        schedule=None,
+        timeout=None,
+        metadata=(),
+        max_message_mb=DEFAULT_MAX_MESSAGE_MB,
+        sample_rate=0,
+        stubs=None,
+        resume_attempts=3,
+        resume_within_s=30.0,
+        on_move=None,
     ):
         self._out = _Outgoing(voice, max_message_mb)
         can_resume = _can_resume(audio_format, sample_rate)
@@ -373,6 +373,11 @@ class _StreamState:
         self._received = 0  # samples the user has been given
         self.num_resumes = 0
         self._on_move = on_move  # told the target index a stream resumed on
+        self._start()
+
+    def _start(self) -> None:
+        """The twin's own set-up (its request queue), then its first call."""
+        raise NotImplementedError
 
     def _call_timeout(self) -> float | None:
         """What is left of the stream's deadline, for a call opened now."""
@@ -399,37 +404,7 @@ class AsyncStream(_StreamState):
     only (other outputs end with the error, as before). The resumed audio is recomputed: equal
     to the lost stream's within fp32 rounding."""
 
-    def __init__(
-        self,
-        stub,
-        voice,
-        audio_format="float32",
-        request_id="",
-        schedule=None,
-        timeout=None,
-        metadata=(),
-        max_message_mb=DEFAULT_MAX_MESSAGE_MB,
-        sample_rate=0,
-        stubs=None,
-        resume_attempts=3,
-        resume_within_s=30.0,
-        on_move=None,
-    ):
-        super().__init__(
-            stub,
-            voice,
-            audio_format,
-            request_id,
-            schedule,
-            timeout,
-            metadata,
-            max_message_mb,
-            sample_rate,
-            stubs,
-            resume_attempts,
-            resume_within_s,
-            on_move,
-        )
+    def _start(self) -> None:
         self._requests: asyncio.Queue | None = None
         self._open(self._config)
 
@@ -639,37 +614,7 @@ class Stream(_StreamState):
     """The synchronous twin of AsyncStream, resume included (gRPC reads the request queue on
     its own thread)."""
 
-    def __init__(
-        self,
-        stub,
-        voice,
-        audio_format="float32",
-        request_id="",
-        schedule=None,
-        timeout=None,
-        metadata=(),
-        max_message_mb=DEFAULT_MAX_MESSAGE_MB,
-        sample_rate=0,
-        stubs=None,
-        resume_attempts=3,
-        resume_within_s=30.0,
-        on_move=None,
-    ):
-        super().__init__(
-            stub,
-            voice,
-            audio_format,
-            request_id,
-            schedule,
-            timeout,
-            metadata,
-            max_message_mb,
-            sample_rate,
-            stubs,
-            resume_attempts,
-            resume_within_s,
-            on_move,
-        )
+    def _start(self) -> None:
         self._lock = threading.Lock()  # send() from one thread, a resume on the iterating one
         self._requests: queue.Queue = queue.Queue()
         self._open(self._config)
