@@ -32,6 +32,7 @@ import wave
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -535,16 +536,12 @@ def split_targets(target: str | Iterable[str]) -> list[str]:
     return targets
 
 
-class AsyncClient:
-    """`target`: a gateway address, or several (a list, or comma-separated): streams start on
-    the first that last worked and resume on the next (see AsyncStream; with one target, on it
-    again, which serves a gateway restarted in place); `resume_attempts` (0: never resume) and
-    `resume_within_s` bound each stream's resumes. `tls_ca`: verify the gateway's TLS
-    certificate with this CA file (None: plaintext); `token`: bearer token for a gateway run
-    with --auth-tokens; `server_name`: the name in the gateway's certificate when `target` is an
-    IP; `max_message_mb`: the gateway's --max-message-mb (a stream's config over it is refused
-    here, see `_Outgoing`). Voices registered by id live on one gateway: a stream that must
-    resume elsewhere should carry its voice inline (or register it on every gateway)."""
+class _Targets:
+    """What AsyncClient and Client (its sync twin) share: the channels to the gateways, where
+    new streams start, and the streams' resume bounds."""
+
+    _grpc: Any  # grpc.aio or grpc
+    _stream: type  # AsyncStream or Stream
 
     def __init__(
         self,
@@ -560,7 +557,7 @@ class AsyncClient:
         _check_resume_bounds(resume_attempts, resume_within_s)
         self.channels = []
         for t in split_targets(target):
-            channel, self.metadata = _open_channel(grpc.aio, t, tls_ca, token, server_name)
+            channel, self.metadata = _open_channel(self._grpc, t, tls_ca, token, server_name)
             self.channels.append(channel)
         self.stubs = [gateway_pb2_grpc.GatewayStub(c) for c in self.channels]
         self.channel, self.stub = self.channels[0], self.stubs[0]  # calls other than streams
@@ -572,18 +569,12 @@ class AsyncClient:
     def _moved(self, target: int) -> None:
         self.preferred = target
 
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        for channel in self.channels:
-            await channel.close()
-
-    def stream(self, voice: VoiceData | str, **kw) -> AsyncStream:
+    def stream(self, voice: VoiceData | str, **kw):
+        """A new stream (AsyncStream or Stream) on the preferred target."""
         kw.setdefault("max_message_mb", self.max_message_mb)
         kw.setdefault("resume_attempts", self.resume_attempts)
         kw.setdefault("resume_within_s", self.resume_within_s)
-        return AsyncStream(
+        return self._stream(
             self.stubs[self.preferred],
             voice,
             metadata=self.metadata,
@@ -591,6 +582,27 @@ class AsyncClient:
             on_move=self._moved,
             **kw,
         )
+
+
+class AsyncClient(_Targets):
+    """`target`: a gateway address, or several (a list, or comma-separated): streams start on
+    the first that last worked and resume on the next (see AsyncStream; with one target, on it
+    again, which serves a gateway restarted in place); `resume_attempts` (0: never resume) and
+    `resume_within_s` bound each stream's resumes. `tls_ca`: verify the gateway's TLS
+    certificate with this CA file (None: plaintext); `token`: bearer token for a gateway run
+    with --auth-tokens; `server_name`: the name in the gateway's certificate when `target` is an
+    IP; `max_message_mb`: the gateway's --max-message-mb (a stream's config over it is refused
+    here, see `_Outgoing`). Voices registered by id live on one gateway: a stream that must
+    resume elsewhere should carry its voice inline (or register it on every gateway)."""
+
+    _grpc, _stream = grpc.aio, AsyncStream
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        for channel in self.channels:
+            await channel.close()
 
     async def register_voice(self, voice: VoiceData) -> str:
         resp = await self.stub.RegisterVoice(
@@ -679,34 +691,10 @@ class Stream(_StreamState):
             self._open(self._move_on())
 
 
-class Client:
+class Client(_Targets):
     """The synchronous twin of AsyncClient (same arguments)."""
 
-    def __init__(
-        self,
-        target: str | Iterable[str] = "127.0.0.1:50051",
-        *,
-        tls_ca: str | None = None,
-        token: str | None = None,
-        server_name: str | None = None,
-        max_message_mb: int = DEFAULT_MAX_MESSAGE_MB,
-        resume_attempts: int = 3,
-        resume_within_s: float = 30.0,
-    ):
-        _check_resume_bounds(resume_attempts, resume_within_s)
-        self.channels = []
-        for t in split_targets(target):
-            channel, self.metadata = _open_channel(grpc, t, tls_ca, token, server_name)
-            self.channels.append(channel)
-        self.stubs = [gateway_pb2_grpc.GatewayStub(c) for c in self.channels]
-        self.channel, self.stub = self.channels[0], self.stubs[0]  # calls other than streams
-        self.max_message_mb = max_message_mb
-        self.resume_attempts = resume_attempts
-        self.resume_within_s = resume_within_s
-        self.preferred = 0
-
-    def _moved(self, target: int) -> None:
-        self.preferred = target
+    _grpc, _stream = grpc, Stream
 
     def __enter__(self):
         return self
@@ -714,19 +702,6 @@ class Client:
     def __exit__(self, *exc):
         for channel in self.channels:
             channel.close()
-
-    def stream(self, voice: VoiceData | str, **kw) -> Stream:
-        kw.setdefault("max_message_mb", self.max_message_mb)
-        kw.setdefault("resume_attempts", self.resume_attempts)
-        kw.setdefault("resume_within_s", self.resume_within_s)
-        return Stream(
-            self.stubs[self.preferred],
-            voice,
-            metadata=self.metadata,
-            stubs=self.stubs,
-            on_move=self._moved,
-            **kw,
-        )
 
     def register_voice(self, voice: VoiceData) -> str:
         return self.stub.RegisterVoice(
