@@ -141,6 +141,13 @@ class Stack:
     async def start_flow(self, i: int) -> None:
         self.flows[i] = await start_flow(self.models[0], *self.flow_flags, port=self.flow_ports[i])
 
+    async def another_gateway(self) -> GrpcServer:
+        """A second gateway in front of this stack's first flow and vocoder replica (the
+        caller drains it)."""
+        routes = ["--flow-addr", f"127.0.0.1:{self.flow_ports[0]}"]
+        routes += ["--vocoder-addr", f"127.0.0.1:{self.vocoder_ports[0]}"]
+        return await start(GatewayService(gateway_config(*routes)))
+
     async def stop(self) -> None:
         for server in [self.gateway, *self.vocoders, *self.flows]:
             if server is not None:

@@ -461,22 +461,14 @@ async def test_load_spreads_over_gateways_and_merges_client_processes():
     to the gateway its index says (whatever the process count), and the two processes' records
     share the parent's clock: none opens before the shared start (open loop: before its
     arrival time), none after the parent saw the run end."""
-    from _stack import gateway_config, start_stack
+    from _stack import start_stack
 
     from bench.loadgen import LoadPlan, Progress, peak_in_flight, run_load
     from flow_service.model import load_flow
-    from gateway.service import GatewayService
-    from token2wav.service import start
     from vocoder_service.model import load_hift
 
     stack = await start_stack((load_flow(None, preset="small"), load_hift(None, preset="small")))
-    routes = [
-        "--flow-addr",
-        f"127.0.0.1:{stack.flow_ports[0]}",
-        "--vocoder-addr",
-        f"127.0.0.1:{stack.vocoder_ports[0]}",
-    ]
-    second = await start(GatewayService(gateway_config(*routes)))
+    second = await stack.another_gateway()
     targets = (f"127.0.0.1:{stack.gateway.port}", f"127.0.0.1:{second.port}")
     workload = WorkloadConfig(utterance_tokens=30, prompt_tokens=25)
     try:

@@ -13,14 +13,12 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from _stack import gateway_config, start_stack, stream_inputs, until
+from _stack import start_stack, stream_inputs, until
 
 from bench.soak import Tally, book_failure, failed, references, settle
 from flow_service.model import load_flow
 from gateway.client import AsyncClient, Client, decode_audio, split_targets
-from gateway.service import GatewayService
 from token2wav import SAMPLES_PER_TOKEN
-from token2wav.service import start
 from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
 from vocoder_service.model import load_hift
 
@@ -124,13 +122,7 @@ async def test_bad_resume_values_are_refused_naming_the_field(models):
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
 async def test_client_resumes_on_the_other_gateway_when_its_own_dies(models, sync):
     stack = await start_stack(models)
-    routes = [
-        "--flow-addr",
-        f"127.0.0.1:{stack.flow_ports[0]}",
-        "--vocoder-addr",
-        f"127.0.0.1:{stack.vocoder_ports[0]}",
-    ]
-    second = await start(GatewayService(gateway_config(*routes)))
+    second = await stack.another_gateway()
     try:
         voice, tokens = stream_inputs(7, 30, 200)
         total = SAMPLES_PER_TOKEN * len(tokens)
@@ -211,13 +203,7 @@ async def test_soak_books_a_stream_resumed_across_a_gateway_kill(models):
     from its undisturbed run, one resume, no sample lost or duplicated, the audio within atol;
     and the same bookkeeping catches a dropped or repeated chunk and a failure at a fault."""
     stack = await start_stack(models)
-    routes = [
-        "--flow-addr",
-        f"127.0.0.1:{stack.flow_ports[0]}",
-        "--vocoder-addr",
-        f"127.0.0.1:{stack.vocoder_ports[0]}",
-    ]
-    second = await start(GatewayService(gateway_config(*routes)))
+    second = await stack.another_gateway()
     try:
         voice, tokens = stream_inputs(11, 20, 160)
         targets = [stack.target, f"127.0.0.1:{second.port}"]
