@@ -216,7 +216,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="FLAG",
-        help="extra flow_service flag, repeatable (e.g. --flow-arg=--preempt=false)",
+        help="extra flow_service flag, repeatable (e.g. --flow-arg=--max-wait-ms=0)",
     )
     p.add_argument("--smoke", action="store_true", help="CPU, small preset, 2 levels, seconds")
     a = p.parse_args(argv)

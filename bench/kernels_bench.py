@@ -5,7 +5,7 @@ r"""DiT kernel variants (issue 17 item 2): time, throughput, MFU and exactness o
     python -m bench kernels --device cpu --preset small --rows 2 \
         --frames 206 --repeats 1 --budget-s 60   # CPU smoke (nothing compiles on the CPU)
 
-Variants (`DiTKernels`, the flow service's --fused-norms): baseline (SDPA with the dense additive
+Variants (`DiTKernels`, the flow service fuses norms on CUDA): baseline (SDPA with the dense additive
 bias, unfused norms) and fused (compiled gate + residual + LN + modulate). Each case is B requests of T frames
 (3 s prompt of 75 tokens + the rest emitted tokens), all streaming (non-final, block-causal) or
 all final (full attention), run as one `FlowModel.generate` (10 Euler steps, CFG: 2B solver rows;

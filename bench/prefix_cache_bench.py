@@ -14,7 +14,7 @@ streams, cache off and then on, for each utterance length: frame-steps/s (upstre
 real sequence frames x steps, whatever was reused), audio s/s, the cache's hit rate, reused
 frame share, bytes and evictions. Each stream keeps up to --max-inflight (4, the gateway's
 default) of its calls in flight; with the cache on, the flow engine runs them in stream order
-(--prefix-cache-order-streams), with it off they run side by side, as deployed.
+(FlowEngine.submit), with it off they run side by side, as deployed.
 
 Random weights (speed and exactness only). Writes $OUT/prefix_cache_bench.json (or --out).
 """

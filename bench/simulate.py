@@ -27,7 +27,7 @@ modelled:
                     it runs what the core decides, each batch in NUM_STEPS steps, asking the
                     core between two steps (as the runner does) and running an urgent batch
                     whole there
-  prefix-cache order a stream's call waits for its earlier calls (engine `order_streams`)
+  prefix-cache order a stream's call waits for its earlier calls (FlowEngine.submit)
   gateway           `gateways` processes, streams round robin; each is one serial CPU: a cost
                     per stream opened (before its first flow call goes out) and per chunk
                     delivered; 4 flow calls in flight per stream, chunks to the vocoder in
@@ -519,7 +519,7 @@ class Simulation:
             deadline=math.inf,
             payload=(s, chunk),
             arrival=self.clock.now,
-            due=due if self.c.policy.deadline_scheduling else math.inf,
+            due=due,
             stream=s.sid,
             token_offset=chunk.token_offset,
             final=chunk.finalize,

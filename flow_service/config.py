@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field
 
 from flow_service.costmodel import CostPrior
@@ -44,14 +45,6 @@ def build_parser() -> EnvParser:
         help="model dtype; float32 is upstream's, bfloat16 is ~3x faster on Hopper",
     )
     p.flag(
-        "--fused-norms",
-        type=bool,
-        default=d.fused_norms,
-        help="on CUDA, run each DiT layer's gate + residual + layer norm + AdaLN modulate as "
-        "one torch.compile'd kernel: fewer passes over memory, so a faster solve (compiled "
-        "when the model loads, logged; same mel within rounding); no effect on the CPU",
-    )
-    p.flag(
         "--max-batch-size",
         type=int,
         default=d.policy.max_batch_size,
@@ -68,12 +61,6 @@ def build_parser() -> EnvParser:
         type=float,
         default=d.policy.max_wait_ms,
         help="while busy, how long a batch may wait to fill (0 when the card is idle)",
-    )
-    p.flag(
-        "--min-padding-efficiency",
-        type=float,
-        default=d.policy.min_padding_efficiency,
-        help="a call joins a batch only if real/padded frames stays above this",
     )
     p.flag(
         "--max-queue",
@@ -103,55 +90,12 @@ def build_parser() -> EnvParser:
         "unpadded (0: no bound, every batch of up to --graph-max-batch rows is graphed)",
     )
     p.flag(
-        "--preempt",
-        type=bool,
-        default=d.preempt,
-        help="time to first audio under load: first chunks batch only with first chunks, and "
-        "run between the solver steps of a running batch of later chunks instead of after it",
-    )
-    p.flag(
-        "--deadline-scheduling",
-        type=bool,
-        default=d.policy.deadline_scheduling,
-        help="order calls that carry a playback deadline (slack_ms) by slack, refuse batch "
-        "joins that would make a row late, preempt by slack; calls without one keep the "
-        "first-chunks-then-arrival order (false: slack_ms is ignored, the order before "
-        "deadlines)",
-    )
-    p.flag(
-        "--cost-prior-frames-per-s",
-        type=float,
-        default=d.cost_prior.frames_per_s,
-        help="batch cost model's starting throughput (padded frames per second, all solver "
-        "steps) until batches are measured; ~20000 for bf16 on an H200",
-    )
-    p.flag(
         "--prefix-cache-mb",
         type=int,
         default=d.prefix_cache.mb,
         help="prefix cache budget (MiB) for the per-step keys/values of streams' complete "
         "earlier attention blocks, so a streaming call computes only its new frames (same mel); "
         "-1: 40%% of the free device memory on CUDA, 1024 on CPU; 0: off",
-    )
-    p.flag(
-        "--prefix-cache-share-voices",
-        type=bool,
-        default=d.prefix_cache.share_voices,
-        help="share the cached blocks made only of prompt frames across the streams of a voice",
-    )
-    p.flag(
-        "--prefix-cache-evict-idle-s",
-        type=float,
-        default=d.prefix_cache.evict_idle_s,
-        help="a full prefix cache evicts only entries unused for this long (streams that "
-        "went quiet); otherwise it stores no new blocks until room frees up",
-    )
-    p.flag(
-        "--prefix-cache-order-streams",
-        type=bool,
-        default=d.prefix_cache.order_streams,
-        help="with the prefix cache, a stream's call waits for its earlier calls on this "
-        "replica (it reuses what they computed; its audio plays after theirs anyway)",
     )
     p.flag(
         "--log-batches",
@@ -165,9 +109,12 @@ def build_parser() -> EnvParser:
 @dataclass(frozen=True)
 class PrefixCacheConfig:
     mb: int = -1  # -1: auto (40 % of free CUDA memory, 1 GiB on CPU); 0: off
+    # The blocks made only of prompt frames are cached once per voice and shared by its
+    # streams: the same keys/values, so nothing is gained by storing them per stream.
     share_voices: bool = True
+    # A full cache evicts only entries unused this long: a stream between two calls of its
+    # utterance (calls come 1-4 s apart) keeps its blocks; one that went quiet loses them.
     evict_idle_s: float = 5.0
-    order_streams: bool = True
 
     def __post_init__(self):
         if self.mb < -1:
@@ -175,7 +122,7 @@ class PrefixCacheConfig:
                 f"--prefix-cache-mb: {self.mb}, want -1 (auto), 0 (off) or a MiB budget"
             )
         if self.evict_idle_s < 0:
-            raise ValueError(f"--prefix-cache-evict-idle-s: {self.evict_idle_s}, want >= 0")
+            raise ValueError(f"prefix cache evict_idle_s: {self.evict_idle_s}, want >= 0")
 
 
 @dataclass(frozen=True)
@@ -185,7 +132,6 @@ class FlowConfig:
     preset: str = "small"
     device: str = "cpu"
     dtype: str = "float32"
-    fused_norms: bool = True  # CUDA only (service_kernels)
     policy: BatchPolicy = field(default_factory=BatchPolicy)
     cost_prior: CostPrior = field(default_factory=CostPrior)
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
@@ -193,44 +139,32 @@ class FlowConfig:
     cuda_graphs: bool = True
     graph_max_batch: int = 64
     graph_max_frames: int = 12288
-    preempt: bool = True
     log_batches: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> FlowConfig:
-        if args.cost_prior_frames_per_s <= 0:
-            raise ValueError("--cost-prior-frames-per-s: want > 0")
         if args.graph_max_frames < 0:
             raise ValueError(f"--graph-max-frames: {args.graph_max_frames}, want >= 0")
         if args.max_voices < 1:
             raise ValueError(f"--max-voices: {args.max_voices}, want >= 1")
+        d = cls()
         return cls(
             server=ServerOptions.from_args(args),
             model_dir=args.model_dir or None,
             preset=args.preset,
             device=args.device,
             dtype=args.dtype,
-            fused_norms=args.fused_norms,
-            policy=BatchPolicy(
+            policy=dataclasses.replace(
+                d.policy,
                 max_batch_size=args.max_batch_size,
                 max_batch_frames=args.max_batch_frames,
                 max_wait_ms=args.max_wait_ms,
                 max_queue=args.max_queue,
-                min_padding_efficiency=args.min_padding_efficiency,
-                first_chunks_apart=args.preempt,
-                deadline_scheduling=args.deadline_scheduling,
             ),
-            cost_prior=CostPrior(frames_per_s=args.cost_prior_frames_per_s),
-            prefix_cache=PrefixCacheConfig(
-                args.prefix_cache_mb,
-                args.prefix_cache_share_voices,
-                args.prefix_cache_evict_idle_s,
-                args.prefix_cache_order_streams,
-            ),
+            prefix_cache=dataclasses.replace(d.prefix_cache, mb=args.prefix_cache_mb),
             max_voices=args.max_voices,
             cuda_graphs=args.cuda_graphs,
             graph_max_batch=args.graph_max_batch,
             graph_max_frames=args.graph_max_frames,
-            preempt=args.preempt,
             log_batches=args.log_batches,
         )

@@ -70,11 +70,9 @@ class FlowEngine:
         preempt: bool = True,
         cost: CostModel | None = None,
         prefix_cache: PrefixCache | None = None,
-        order_streams: bool = True,
     ):
         self.model = model
         self.prefix_cache = prefix_cache  # the runner's; the engine drops cancelled streams
-        self.order_streams = order_streams
         self._chains: dict[str, list[tuple[int, asyncio.Event]]] = {}  # key -> calls in flight
         self.policy = policy
         self.cost = cost or CostModel(num_solver_steps(model))
@@ -128,12 +126,11 @@ class FlowEngine:
     async def submit(
         self, request: FlowRequest, deadline: float = math.inf, due: float = math.inf
     ) -> FlowResult:
-        """`deadline`: the call fails past it; `due`: its playback deadline (soft, orders it;
-        ignored with deadline scheduling off, so that the order is exactly the one before).
-        With the prefix cache and `order_streams`, a call waits until the calls of its stream
+        """`deadline`: the call fails past it; `due`: its playback deadline (soft, orders it).
+        With the prefix cache, a call waits until the calls of its stream
         with a smaller token_offset on this replica are done: it can only reuse what they
         stored, and its audio plays after theirs anyway."""
-        key = request.cache_key if self.prefix_cache is not None and self.order_streams else ""
+        key = request.cache_key if self.prefix_cache is not None else ""
         sent = self.core.clock()
         if not key:
             return await self._submit_now(request, deadline, due, sent)
@@ -165,8 +162,6 @@ class FlowEngine:
     ) -> FlowResult:
         if self.device_lost is not None:
             raise Unavailable("this flow replica lost its GPU and is restarting; retry another")
-        if not self.policy.deadline_scheduling:
-            due = math.inf
         call = PendingCall(
             num_seq_frames=request.num_seq_frames,
             num_out_frames=request.num_out_frames,

@@ -16,7 +16,7 @@ chunks, and the engine lets a first chunk that arrives while a batch of later ch
 between two of its solver steps (`schedule(first_chunks_only=True)` forms that batch). Time to
 first audio is then one solver step of waiting plus a short batch, not two long batches.
 
-Deadlines (`deadline_scheduling`, with a `CostModel`): a call may carry a playback deadline
+Deadlines (with a `CostModel`): a call may carry a playback deadline
 (`due`, from the gateway's slack). When any waiting call has one, the queue is ordered by slack
 instead: due - now - the estimated time of a batch of that call alone, least first; calls
 without one come after, in today's order. The anchor is the least-slack call; others join by
@@ -24,8 +24,8 @@ slack under the same size, frame and padding limits, and a join is refused when 
 batch would make a row late that is on time without it: a row in the batch, or a row left
 out (for padding) that could still start after this batch and make its deadline. Preemption
 generalises: work whose slack is below one solver step of the running batch
-(`schedule(urgent_slack_s=step)`) runs between its steps. Calls without deadlines are
-scheduled exactly as before.
+(`schedule(urgent_slack_s=step)`) runs between its steps. A queue in which no call has a
+deadline (clients that send no slack_ms) is ordered and preempted first chunks first, as above.
 """
 
 from __future__ import annotations
@@ -52,10 +52,8 @@ class BatchPolicy:
     min_padding_efficiency: float = 0.7
     # A batch led by a first chunk takes only first chunks: it stays short (one 200-frame
     # chunk per stream), so time to first audio is not the compute time of a batch of long
-    # later chunks. Pairs with the engine's preemption (both on with --preempt).
+    # later chunks. Pairs with the engine's preemption.
     first_chunks_apart: bool = True
-    # Order calls that carry a playback deadline by slack (see the module docstring).
-    deadline_scheduling: bool = True
     # Rows of a batch led by a late call, or formed from a queue that is tight even at full
     # throughput (see Scheduler.schedule): large enough to keep most of the card's throughput
     # (per row, larger batches are faster up to about this size), small enough that late work comes out in a pipeline of batches, not in one long one.
@@ -109,8 +107,8 @@ class PendingCall:
 @dataclass(frozen=True)
 class QueueView:
     """The queue as `Scheduler.preempt_due` reads it: first chunks without a deadline
-    waiting (preempting as before deadlines), the earliest latest start and the earliest due
-    of the waiting calls (math.inf: none, or deadlines off)."""
+    waiting (which preempt while no call has a deadline), the earliest latest start and the
+    earliest due of the waiting calls (math.inf: none)."""
 
     first_chunks_waiting: int = 0
     latest_start: float = math.inf
@@ -211,19 +209,14 @@ class Scheduler:
         return min(min(c.arrival for c in self.waiting) + wait, self.latest_start())
 
     def _by_slack(self) -> bool:
-        """Whether the queue is in slack order (some waiting call has a playback deadline and
-        deadlines are on) or in the first-chunks-first order: the one for calls without a
-        deadline (clients that send no slack_ms, a gateway with --deadlines=false, this
-        service with --deadline-scheduling=false), which preempt as first chunks."""
-        return (
-            self.cost is not None
-            and self.policy.deadline_scheduling
-            and any(c.due < math.inf for c in self.waiting)
-        )
+        """Whether the queue is in slack order (some waiting call has a playback deadline) or
+        in the first-chunks-first order: the one for calls without a deadline (clients that
+        send no slack_ms straight to the flow service), which preempt as first chunks."""
+        return self.cost is not None and any(c.due < math.inf for c in self.waiting)
 
     def latest_start(self) -> float:
         """The earliest of the waiting calls' latest start times (due minus the time of a
-        batch of that call alone); math.inf when none has a deadline or deadlines are off."""
+        batch of that call alone); math.inf when none has a deadline."""
         if not self._by_slack():
             return math.inf
         est = self.cost.estimate
@@ -247,7 +240,7 @@ class Scheduler:
         self, call: PendingCall, now: float, urgent_slack_s: float, before: float = math.inf
     ) -> bool:
         """Work that may run between the solver steps of a running batch: a call whose slack
-        is below one step; with no deadline in the queue, a first chunk (as before). Calls
+        is below one step; with no deadline in the queue, a first chunk. Calls
         without a deadline never preempt work that has one."""
         if not self._by_slack():
             return call.is_first_chunk
@@ -291,7 +284,7 @@ class Scheduler:
 
     @property
     def num_first_chunks_waiting(self) -> int:
-        """First chunks that preempt as before deadlines: 0 while any call has a deadline
+        """First chunks that preempt by being first chunks: 0 while any call has a deadline
         (then work preempts by slack)."""
         if self._by_slack():
             return 0

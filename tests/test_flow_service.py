@@ -348,12 +348,11 @@ async def test_drain_finishes_in_flight_and_refuses_new(model):
     await engine.stop()
 
 
-@pytest.mark.parametrize("preempt", [True, False])
-async def test_first_chunks_run_between_steps_of_a_long_batch(model, preempt):
+async def test_first_chunks_run_between_steps_of_a_long_batch(model):
     """First chunks that arrive while a batch of later chunks runs are served between two of
-    its solver steps (with --preempt), and every result still equals its solo result."""
+    its solver steps, and every result still equals its solo result."""
     slow = HeldSteps(model)
-    server, engine, channel = await start(slow, "--preempt", str(preempt).lower())
+    server, engine, channel = await start(slow)
     try:
         stub = flow_pb2_grpc.FlowStub(channel)
         later = [(make_stream(500 + i, 20, 60), 25, i == 2) for i in range(3)]
@@ -381,15 +380,11 @@ async def test_first_chunks_run_between_steps_of_a_long_batch(model, preempt):
         last_first = max(done_at[f"first{i}"] for i in range(2))
         first_later = min(done_at[f"later{i}"] for i in range(3))
         assert all(off > 0 for off in slow.batches[0])
-        if preempt:
-            assert engine.num_preemptions == 1
-            assert slow.batches[1] == [0, 0]  # both first chunks, as one batch inside it
-            assert all(o > 0 for batch in slow.batches[2:] for o in batch)
-            assert last_first < first_later  # served before the running batch ended
-            assert all(r.timing.batch_size == 2 for r in responses[3:])
-        else:
-            assert engine.num_preemptions == 0
-            assert last_first > first_later  # they waited for the running batch
+        assert engine.num_preemptions == 1
+        assert slow.batches[1] == [0, 0]  # both first chunks, as one batch inside it
+        assert all(o > 0 for batch in slow.batches[2:] for o in batch)
+        assert last_first < first_later  # served before the running batch ended
+        assert all(r.timing.batch_size == 2 for r in responses[3:])
     finally:
         await stop(server, engine, channel)
 

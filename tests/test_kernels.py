@@ -181,18 +181,13 @@ def test_warm_up_compiles_what_serving_meets(model):
 
 
 # -- flags ------------------------------------------------------------------------------------
-def test_flags_reach_the_model(monkeypatch):
-    monkeypatch.setenv("FLOW_FUSED_NORMS", "false")
-    assert not FlowConfig.from_args(build_parser().parse_args([])).fused_norms
-    monkeypatch.delenv("FLOW_FUSED_NORMS")
-    cfg = FlowConfig.from_args(build_parser().parse_args(["--fused-norms", "true"]))
+def test_the_service_fuses_norms_on_cuda_only():
     default = FlowConfig.from_args(build_parser().parse_args([]))
-    assert default.fused_norms  # measured faster on CUDA
-    # ... and compiled only there: on the CPU the service runs the plain path
+    # measured faster on CUDA; on the CPU the service runs the plain path
     assert service_kernels(default) == DiTKernels()
     on_cuda = FlowConfig.from_args(build_parser().parse_args(["--device", "cuda"]))
     assert service_kernels(on_cuda) == DiTKernels(fused_norms=True)
-    m = load_flow(None, preset="small", kernels=DiTKernels(cfg.fused_norms))
+    m = load_flow(None, preset="small", kernels=service_kernels(on_cuda))
     assert m.decoder.estimator.kernels == DiTKernels(fused_norms=True)
     assert load_flow(None, preset="small").decoder.estimator.kernels == DiTKernels()
 
