@@ -292,7 +292,7 @@ def test_flags_reach_the_config_and_cpu_ignores_them():
     from vocoder_service.config import VocoderServiceConfig as Config
     from vocoder_service.service import VocoderService, graph_buckets
 
-    argv = ["--cuda-graphs", "true", "--graph-max-rows", "20", "--graph-frame-multiple", "8"]
+    argv = ["--cuda-graphs", "true", "--graph-max-rows", "20"]
     cfg = Config.from_args(build_parser().parse_args(argv)).model
     assert cfg.cuda_graphs and cfg.graph_max_rows == 20 and cfg.graph_max_frames == 256
     assert graph_buckets(cfg) is None  # device cpu: the flag is ignored

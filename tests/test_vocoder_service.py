@@ -760,24 +760,23 @@ def test_cli_flags_mirror_env(monkeypatch):
     monkeypatch.setenv("VOCODER_MODEL_DIR", "")  # compose writes empty values for "unset"
     monkeypatch.setenv("VOCODER_PRESET", "")
     monkeypatch.setenv("VOCODER_PHASE_MODE", "upstream")
-    monkeypatch.setenv("VOCODER_URGENT_SLACK_MS", "0")
     parser = build_parser()
     args = parser.parse_args(["--idle-timeout", "7"])
     cfg = VocoderServiceConfig.from_args(args)
     assert cfg.batcher.max_batch_sessions == 1 and cfg.sessions.idle_timeout_s == 7
     assert cfg.model.model_dir is None and cfg.model.preset is None
     assert cfg.model.phase_mode == "upstream"
-    assert cfg.batcher.urgent_slack_ms == 0 and cfg.batcher.urgent_max_frames == 1600
-    with pytest.raises(ValueError, match="--urgent-max-frames -1: want >= 0"):
-        VocoderServiceConfig.from_args(parser.parse_args(["--urgent-max-frames", "-1"]))
+    assert cfg.batcher.urgent_slack_ms == 100 and cfg.batcher.urgent_max_frames == 1600
+    with pytest.raises(ValueError, match="urgent_max_frames -1: want >= 0"):
+        BatcherConfig(urgent_max_frames=-1)
     assert VocoderServiceConfig.from_args(
         parser.parse_args(["--phase-mode", "exact"])
     ).model.phase_mode == ("exact")
     assert args.port == 50053 and args.metrics_port == 9103
     text = " ".join(parser.format_help().split())
     flags = "--model-dir --preset --device --dtype --phase-mode --max-sessions --gap-timeout"
-    flags += " --reorder-bytes --max-batch-sessions --max-wait-ms --urgent-slack-ms"
-    for flag in (*flags.split(), "--urgent-max-frames"):
+    flags += " --reorder-window --max-batch-sessions --max-wait-ms"
+    for flag in flags.split():
         assert flag in text and f"[env {parser.env_name(flag)}]" in text
 
 

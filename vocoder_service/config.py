@@ -19,6 +19,11 @@ from token2wav.cli import EnvParser, add_server_flags, prog
 from token2wav.dtypes import DTYPES
 from token2wav.security import PeerCertAuth
 from token2wav.server import ServerOptions
+from vocoder_service.model.graphs import (
+    DEFAULT_FRAME_MULTIPLE,
+    DEFAULT_MAX_FRAMES,
+    DEFAULT_MAX_ROWS,
+)
 
 MEL_FRAME_BYTES = MEL_BINS * 4  # one float32 mel frame on the wire
 PHASE_MODES = ("exact", "upstream")
@@ -32,12 +37,15 @@ class SessionConfig:
     idle_timeout_s: float = 30.0  # no chunk for this long: the session is evicted (NOT_FOUND)
     gap_timeout_s: float = 5.0  # an early chunk waits this long for the gap before ABORTED
     reorder_window: int = 8  # chunks: seq may run at most this far ahead of the next expected
-    reorder_bytes: int = 16 << 20  # mel bytes held for early chunks of one session
+    # Mel bytes held for early chunks of one session: 16 MiB is 52k frames (~17 min of audio),
+    # so the chunk window binds first for streaming chunks; this only bounds memory.
+    reorder_bytes: int = 16 << 20
     # Duplicates are answered from the audio of the last `retry_window` applied chunks. An
     # older duplicate (or one whose audio was dropped by the byte cap) is ABORTED: the gateway
     # only retries chunks whose answer it has not seen, which are the most recent ones.
     retry_window: int = 8
-    retry_cache_bytes: int = 8 << 20  # audio bytes kept for retries; the newest entry always
+    # Audio bytes kept for retries (~87 s of float32 at 24 kHz); the newest entry always stays.
+    retry_cache_bytes: int = 8 << 20
     max_chunk_frames: int = MAX_FRAMES  # mel frames in one chunk (a 300 s non-streaming call)
     # Finalized and failed sessions linger as small tombstones for `idle_timeout_s`, so a retry
     # of the final chunk still gets its audio and a late chunk gets ABORTED, not NOT_FOUND.
@@ -68,6 +76,8 @@ class BatcherConfig:
     # first chunk does not pay a batch of long chunks. With the gateway's defaults a first chunk
     # arrives with at most first-chunk target - margin = 100 ms of slack, a later chunk with
     # seconds. 0: off. Chunks without a deadline are never urgent.
+    # 100 and 1600 won an A/B on an H200 against 0 (off), 200 and 800 frames
+    # (docs/bench/2026-12-03-capacity-runs.md, the fifth run).
     urgent_slack_ms: float = 100.0
     # An urgent batch closes before a chunk would take its padded frames (rows x longest chunk)
     # past this (its first chunk always goes): a long urgent chunk does not pad a batch of first
@@ -80,9 +90,9 @@ class BatcherConfig:
         if self.max_wait_ms < 0:
             raise ValueError("max_wait_ms must be >= 0")
         if self.urgent_slack_ms < 0:
-            raise ValueError(f"--urgent-slack-ms {self.urgent_slack_ms:g}: want >= 0")
+            raise ValueError(f"urgent_slack_ms {self.urgent_slack_ms:g}: want >= 0")
         if self.urgent_max_frames < 0:
-            raise ValueError(f"--urgent-max-frames {self.urgent_max_frames}: want >= 0")
+            raise ValueError(f"urgent_max_frames {self.urgent_max_frames}: want >= 0")
 
 
 @dataclass(frozen=True)
@@ -101,10 +111,11 @@ class ModelConfig:
     # CUDA-graph replay of the vocoder batch (model/graphs.py), on CUDA only: batches are padded
     # to row buckets up to graph_max_rows and to a multiple of graph_frame_multiple frames up
     # to graph_max_frames (padding changes no sample beyond rounding); larger ones run eagerly.
+    # The defaults are the graph module's (ShapeBuckets.for_limits, which the benchmarks use).
     cuda_graphs: bool = True  # on CUDA only (ignored on CPU)
-    graph_max_rows: int = 32
-    graph_max_frames: int = 256
-    graph_frame_multiple: int = 16
+    graph_max_rows: int = DEFAULT_MAX_ROWS
+    graph_max_frames: int = DEFAULT_MAX_FRAMES
+    graph_frame_multiple: int = DEFAULT_FRAME_MULTIPLE
 
     def __post_init__(self):
         if self.graph_max_rows < 1 or self.graph_frame_multiple < 1:
@@ -164,19 +175,11 @@ def build_parser() -> EnvParser:
         default=ModelConfig.graph_max_frames,
         help="longest decoder window (frames: a chunk plus ~45 of context) run through graphs",
     )
-    p.flag(
-        "--graph-frame-multiple",
-        type=int,
-        default=ModelConfig.graph_frame_multiple,
-        help="graphed windows are padded to a multiple of this many frames (fewer graphs)",
-    )
     p.flag("--max-sessions", type=int, default=s.max_num_sessions, help="open sessions cap")
     p.flag("--idle-timeout", type=float, default=s.idle_timeout_s, help="s before eviction")
     p.flag("--gap-timeout", type=float, default=s.gap_timeout_s, help="s a seq gap may last")
     p.flag("--reorder-window", type=int, default=s.reorder_window, help="chunks seq may lead")
-    p.flag("--reorder-bytes", type=int, default=s.reorder_bytes, help="early-chunk mel bytes")
     p.flag("--retry-window", type=int, default=s.retry_window, help="applied chunks retryable")
-    p.flag("--retry-cache-bytes", type=int, default=s.retry_cache_bytes, help="retry audio bytes")
     p.flag(
         "--max-batch-sessions",
         type=int,
@@ -184,23 +187,6 @@ def build_parser() -> EnvParser:
         help="sessions per vocoder batch (one HiFT call); 1 turns batching across sessions off",
     )
     p.flag("--max-wait-ms", type=float, default=b.max_wait_ms, help="wait for a fuller batch")
-    p.flag(
-        "--urgent-slack-ms",
-        type=float,
-        default=b.urgent_slack_ms,
-        help="a ready chunk with less playback slack (deadline - now) than this is urgent: "
-        "while one is, a batch takes only urgent chunks, least slack first, and the others wait "
-        "for the next batch (first chunks come with < 100 ms at the gateway's defaults, later "
-        "chunks with seconds); chunks without a deadline are never urgent; 0: off",
-    )
-    p.flag(
-        "--urgent-max-frames",
-        type=int,
-        default=b.urgent_max_frames,
-        help="an urgent batch stops before its padded mel frames (sessions x longest chunk) "
-        "pass this, so a long urgent chunk does not slow a batch of first chunks (the least "
-        "slack chunk always goes); 0: no bound",
-    )
     p.flag(
         "--control-clients",
         default="",
@@ -245,22 +231,16 @@ class VocoderServiceConfig:
                 args.cuda_graphs,
                 args.graph_max_rows,
                 args.graph_max_frames,
-                args.graph_frame_multiple,
             ),
             sessions=SessionConfig(
                 max_num_sessions=args.max_sessions,
                 idle_timeout_s=args.idle_timeout,
                 gap_timeout_s=args.gap_timeout,
                 reorder_window=args.reorder_window,
-                reorder_bytes=args.reorder_bytes,
                 retry_window=args.retry_window,
-                retry_cache_bytes=args.retry_cache_bytes,
             ),
             batcher=BatcherConfig(
-                args.max_batch_sessions,
-                args.max_wait_ms,
-                args.urgent_slack_ms,
-                args.urgent_max_frames,
+                max_batch_sessions=args.max_batch_sessions, max_wait_ms=args.max_wait_ms
             ),
             server=server_options(args),
         )

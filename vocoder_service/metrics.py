@@ -35,7 +35,7 @@ STEP_SECONDS = Histogram(
 )
 URGENT_BATCHES = Counter(
     "t2w_vocoder_urgent_batches_total",
-    "Vocoder batches of urgent chunks only (slack below --urgent-slack-ms), run while other "
+    "Vocoder batches of urgent chunks only (slack below 100 ms), run while other "
     "ready chunks waited for the next batch",
 )
 BATCH_SESSIONS = Histogram(

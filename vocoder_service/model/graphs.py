@@ -30,7 +30,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 DEFAULT_ROW_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)  # and the largest batch, when larger
-# --graph-max-rows, --graph-frame-multiple, --graph-max-frames defaults (vocoder_service/config.py)
+# The service's defaults (vocoder_service/config.py ModelConfig; --graph-max-rows,
+# --graph-max-frames). Windows are padded to a multiple of 16 frames: 256 / 16 = 16 window
+# buckets to capture at start-up per row bucket, and at most 15 frames of padding per window.
 DEFAULT_MAX_ROWS, DEFAULT_FRAME_MULTIPLE, DEFAULT_MAX_FRAMES = 32, 16, 256
 
 
