@@ -68,14 +68,6 @@ def _count(text: str) -> int:
     return n
 
 
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"want true or false, got {text!r}")
-
-
 def _add_common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("stack (ignored with --target)")
     g.add_argument(
@@ -266,12 +258,6 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--first-chunk-p95-ms", type=float, default=250.0)
     ca.add_argument(
         "--closed-concurrency", type=int, default=64, help="closed-loop streams first; 0: none"
-    )
-    ca.add_argument(
-        "--closed-baseline",
-        type=_bool,
-        default=True,
-        help="also run the closed loop through a gateway that sends no deadlines (true/false)",
     )
     ca.add_argument("--overload-factor", type=float, default=2.0, help="x the capacity")
     ca.add_argument("--overload-duration", type=float, default=20.0, help="s; 0: no overload")

@@ -15,8 +15,6 @@ Definitions (docs/BENCHMARKS.md, "Real-time capacity"):
                       --start-rate until a probe fails, then bisecting (geometric mean) between
                       the last pass and the first fail --refine times. Concurrent streams at
                       capacity by Little's law: rate x mean stream duration.
-  baseline            the closed loop once more through a third gateway that sends no
-                      deadlines, so the services schedule as before them (the A/B).
   overload            Poisson arrivals at --overload-factor x capacity for --overload-duration s
                       through a second gateway with admission control on (same flow and vocoder
                       services): the share of admitted streams on time, refusals' latency, and
@@ -414,19 +412,16 @@ def elapsed_since(t0: float) -> float:
 
 class CapacityStack(Stack):
     """One stack (batching on; `config.gateways` gateways) plus more gateways in front of the
-    same flow and vocoder services: one with admission control on (the overload run), and as
-    many as the stack has that send no deadlines (the services then schedule as before
-    deadlines: the A/B baseline of the closed loop, with the same gateway count as the run it
-    is compared with). The admission gateway stays single: admission is per gateway process
+    same flow and vocoder services: one with admission control on (the overload run). The
+    admission gateway stays single: admission is per gateway process
     (each plans with the flow replicas' whole reported capacity and sees only its own
     streams), so N of them would each admit as if alone. Every process exposes its metrics."""
 
-    ADMIT, NO_DEADLINES = "gateway.admit", "gateway.nodeadline"
+    ADMIT = "gateway.admit"
 
     def __init__(self, config: StackConfig, log_dir: Path, admission_args: tuple[str, ...]):
         super().__init__(config, log_dir, name="capacity")
         self.add_gateways(self.ADMIT, 1)
-        self.add_gateways(self.NO_DEADLINES, config.gateways)
         self.metrics_ports = {name: free_port() for name in self.ports}
         self.admission_args = admission_args
 
@@ -436,8 +431,6 @@ class CapacityStack(Stack):
             cmd += ["--metrics-port", str(self.metrics_ports[name])]  # the last value wins
         for name in self.gateway_groups[self.ADMIT]:
             cmds[name] += ["--admission=true", *self.admission_args]
-        for name in self.gateway_groups[self.NO_DEADLINES]:
-            cmds[name] += ["--deadlines=false"]
         return cmds
 
     def gauges_ports(self) -> dict[str, int]:
@@ -533,7 +526,6 @@ def run(a, argv: list[str]) -> dict:
     targets = {
         "on": Target(stack.targets(), stack),
         "admit": Target(stack.targets(stack.ADMIT), stack),
-        "nodeadline": Target(stack.targets(stack.NO_DEADLINES), stack),
     }
     sweep_cfg = SweepConfig(
         labels=("on",),
@@ -561,17 +553,14 @@ def run(a, argv: list[str]) -> dict:
     try:
         warm = True
         c = a.closed_concurrency
-        labels = {"on": "deadlines", "nodeadline": "no deadlines (as before)"}
-        for label in ("on", "nodeadline") if a.closed_baseline else ("on",):
-            if not c:
-                break
-            r = one(RunSpec("closed", label, c, 0.0, utterances_per_stream=1), warm)
+        if c:
+            r = one(RunSpec("closed", "on", c, 0.0, utterances_per_stream=1), warm)
             warm = False
             m = r["metrics"]
             fc = m["first_chunk_ms"] or {}
             result.setdefault("closed", []).append(
                 {
-                    "gateway": labels[label],
+                    "gateway": "deadlines",
                     "concurrency": c,
                     "streams": m["num_streams"],
                     "xrt": m["xrt"],

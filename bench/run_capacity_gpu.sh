@@ -43,7 +43,7 @@ CLOSED=${CLOSED:-64}
 OVERLOAD_S=${OVERLOAD_S:-20}
 GATEWAYS=${GATEWAYS:-1}
 CLIENT_PROCS=${CLIENT_PROCS:-1}
-# BF16_ARGS: extra flags for the bf16 search (e.g. --closed-baseline false --vocoder-arg=...)
+# BF16_ARGS: extra flags for the bf16 search (e.g. --closed-concurrency 0 --vocoder-arg=...)
 # the gateway's --start-buffer-ms: held first audio of streams whose input is open (paced runs).
 # 240: capacity at 50 tokens/s 36 -> 67 audio s/s against 150, paced first chunk p95 246 ms
 # (H200, docs/BENCHMARKS.md "Current figures"); tokens-at-once streams are not held.

@@ -19,7 +19,7 @@ later by it); otherwise the call is refused with RESOURCE_EXHAUSTED at once, or 
 once one admitted chunk is estimated late, a newcomer queued behind it would leave that
 maximum unchanged however late it came itself, and be admitted. While no replica has reported a capacity yet (cold start) streams are admitted.
 
-Feedback (`--admission-feedback`). The estimate is optimistic by construction: it assumes
+Feedback. The estimate is optimistic by construction: it assumes
 every frame runs at the large-batch rate, while at moderate load batches are small, the
 vocoder shares the GPU and the gateway's CPU adds its own delay. So the controller also watches
 what it is meant to prevent: each chunk that reaches the client later than its player needed it
@@ -50,11 +50,10 @@ class AdmissionConfig:
     enabled: bool = False
     headroom: float = 0.8  # share of the reported capacity the estimate may plan with
     tolerance_s: float = 0.02  # lateness that still counts as on time
-    expected_tokens: int = 250  # length assumed for a stream whose input is still open
+    # Length assumed for a stream whose input is still open: 250 tokens, 10 s of speech.
+    expected_tokens: int = 250
     max_wait_s: float = 0.0  # how long a refused stream may wait for room; 0: refuse at once
-    capacity_override: float = 0.0  # frames/s; > 0 replaces the replicas' reports
     report_ttl_s: float = 60.0  # a replica's report counts this long
-    feedback: bool = True  # learn from late chunks (module docstring)
     feedback_cut: float = 0.7  # capacity factor per late-chunk event
     feedback_interval_s: float = 1.0  # at most one cut per this long
     feedback_recover: float = 0.002  # factor won back per on-time chunk
@@ -64,9 +63,11 @@ class AdmissionConfig:
         if not 0 < self.headroom <= 1:
             raise ValueError("--admission-headroom: want 0 < h <= 1")
         if self.expected_tokens < 1:
-            raise ValueError("--admission-expected-tokens: want >= 1")
-        if self.max_wait_s < 0 or self.tolerance_s < 0 or self.capacity_override < 0:
-            raise ValueError("admission: wait, tolerance and capacity want >= 0")
+            raise ValueError("admission expected_tokens: want >= 1")
+        if self.max_wait_s < 0:
+            raise ValueError("--admission-wait-ms: want >= 0")
+        if self.tolerance_s < 0:
+            raise ValueError("admission tolerance_s: want >= 0")
         if not (0 < self.feedback_cut < 1 and 0 < self.feedback_floor <= 1):
             raise ValueError("admission feedback: want 0 < cut < 1 and 0 < floor <= 1")
 
@@ -149,13 +150,12 @@ class AdmissionController:
         self._last_cut = -float("inf")
 
     def capacity(self) -> float:
-        c = self.config.capacity_override or self.board.total(self.config.report_ttl_s)
-        return c * self.config.headroom * self.factor
+        return self.board.total(self.config.report_ttl_s) * self.config.headroom * self.factor
 
     def observe(self, lateness_s: float) -> None:
         """A chunk reached its client `lateness_s` after its player needed it (< 0: early)."""
         cfg = self.config
-        if not (cfg.enabled and cfg.feedback):
+        if not cfg.enabled:
             return
         if lateness_s > cfg.tolerance_s:
             now = self.clock()

@@ -7,7 +7,6 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from gateway.admission import AdmissionConfig
-from gateway.deadlines import DeadlineConfig
 from gateway.inbound import InboundLimits
 from gateway.pipeline import PipelineLimits
 from gateway.schedule import ScheduleConfig
@@ -18,7 +17,6 @@ from token2wav.server import ServerOptions
 
 def build_parser() -> EnvParser:
     d = GatewayConfig()  # every default is the frozen config's
-    deadlines = DeadlineConfig()  # the values --deadlines turns on
     p = EnvParser(
         "GATEWAY",
         prog=prog("gateway"),
@@ -45,13 +43,6 @@ def build_parser() -> EnvParser:
         type=float,
         default=d.resolve_interval,
         help="seconds between DNS lookups",
-    )
-    p.flag(
-        "--retire-grace",
-        type=float,
-        default=d.retire_grace,
-        help="seconds a replica that left DNS keeps serving the calls already on it (a "
-        "vocoder session lasts as long as its stream); no new calls go there",
     )
     p.flag(
         "--max-streams",
@@ -112,24 +103,11 @@ def build_parser() -> EnvParser:
         help="recordings accepted at once (running or waiting); past it RESOURCE_EXHAUSTED",
     )
     p.flag(
-        "--deadlines",
-        type=bool,
-        default=d.limits.deadlines is not None,
-        help="send each flow call and vocoder chunk its playback deadline (slack_ms), so the "
-        "services serve the least slack first",
-    )
-    p.flag(
         "--first-chunk-target-ms",
         type=float,
-        default=deadlines.first_chunk_target_s * 1e3,
+        default=d.limits.deadlines.first_chunk_target_s * 1e3,
         help="a first chunk (or one whose tokens came late) is needed this long after its "
         "tokens are in",
-    )
-    p.flag(
-        "--deadline-margin-ms",
-        type=float,
-        default=deadlines.margin_s * 1e3,
-        help="subtracted from every playback deadline sent downstream (vocoder step, transport)",
     )
     p.flag(
         "--schedule",
@@ -176,31 +154,11 @@ def build_parser() -> EnvParser:
         help="share of the flow replicas' reported capacity admission plans with",
     )
     p.flag(
-        "--admission-feedback",
-        type=bool,
-        default=d.admission.feedback,
-        help="each chunk that reaches its client after its player needed it cuts the capacity "
-        "admission plans with (x0.7, at most once a second); chunks on time win it back",
-    )
-    p.flag(
-        "--admission-expected-tokens",
-        type=int,
-        default=d.admission.expected_tokens,
-        help="tokens assumed for a stream whose input is still open (250 = 10 s)",
-    )
-    p.flag(
         "--admission-wait-ms",
         type=float,
         default=d.admission.max_wait_s * 1e3,
         help="how long a stream that does not fit may wait for streams to end before it is "
         "refused; 0 refuses at once",
-    )
-    p.flag(
-        "--admission-capacity",
-        type=float,
-        default=d.admission.capacity_override,
-        help="flow capacity in DiT frames/s for admission, replacing the replicas' reports; "
-        "0: learned from the replicas",
     )
     p.flag(
         "--retry-budget",
@@ -286,6 +244,8 @@ class GatewayConfig:
     flow_addr: str = "127.0.0.1:50052"
     vocoder_addr: str = "127.0.0.1:50053"
     resolve_interval: float = 5.0
+    # A replica that left DNS keeps serving the calls already on it this long: a vocoder
+    # session lasts as long as its stream, up to 300 s of audio played at real time, plus 30 s.
     retire_grace: float = 330.0
     internal_ca: str | None = None  # PEM files for TLS to the replicas; None: plaintext
     internal_cert: str | None = None
@@ -319,17 +279,15 @@ class GatewayConfig:
             server = dataclasses.replace(
                 server, interceptors=(TokenAuth(load_tokens(args.auth_tokens)),)
             )
-        deadlines = None
-        if args.deadlines:
-            deadlines = DeadlineConfig(
-                args.first_chunk_target_ms / 1e3, args.deadline_margin_ms / 1e3
-            )
+        d = cls()
+        deadlines = dataclasses.replace(
+            d.limits.deadlines, first_chunk_target_s=args.first_chunk_target_ms / 1e3
+        )
         return cls(
             server=server,
             flow_addr=args.flow_addr,
             vocoder_addr=args.vocoder_addr,
             resolve_interval=args.resolve_interval,
-            retire_grace=args.retire_grace,
             internal_ca=args.internal_ca,
             internal_cert=args.internal_cert,
             internal_key=args.internal_key,
@@ -364,12 +322,10 @@ class GatewayConfig:
                 first_tokens_timeout=args.first_tokens_timeout,
                 idle_timeout=args.input_idle_timeout,
             ),
-            admission=AdmissionConfig(
+            admission=dataclasses.replace(
+                d.admission,
                 enabled=args.admission,
                 headroom=args.admission_headroom,
-                expected_tokens=args.admission_expected_tokens,
                 max_wait_s=args.admission_wait_ms / 1e3,
-                capacity_override=args.admission_capacity,
-                feedback=args.admission_feedback,
             ),
         )

@@ -48,13 +48,16 @@ FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
 @dataclass(frozen=True)
 class DeadlineConfig:
     first_chunk_target_s: float = 0.15  # a first chunk is needed this long after its tokens
-    margin_s: float = 0.05  # subtracted from every playback deadline before it goes downstream
+    # Subtracted from every playback deadline before it goes downstream: room for the vocoder
+    # step that follows the flow call, and transport (the vocoder's urgent slack, 100 ms, is the
+    # first-chunk target less this).
+    margin_s: float = 0.05
 
     def __post_init__(self):
         if self.first_chunk_target_s <= 0:
             raise ValueError("--first-chunk-target-ms: want > 0")
         if self.margin_s < 0:
-            raise ValueError("--deadline-margin-ms: want >= 0")
+            raise ValueError("deadline margin_s: want >= 0")
 
 
 def audio_position_s(chunk: FlowCall) -> float:

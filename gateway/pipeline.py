@@ -51,8 +51,8 @@ class PipelineLimits:
     max_inflight_chunks: int = 4  # flow calls out at once per stream
     max_buffered_chunks: int = 4  # audio chunks waiting for a slow client
     call_timeout_cap: float = 60.0  # s, cap on any downstream call's deadline
-    # Playback deadlines sent downstream as slack (gateway/deadlines.py); None: none sent.
-    deadlines: DeadlineConfig | None = DeadlineConfig()
+    # Playback deadlines sent downstream as slack (gateway/deadlines.py).
+    deadlines: DeadlineConfig = DeadlineConfig()
     max_vocoder_failovers: int = 3  # times a stream may reopen its session on another replica
     failover_connect_wait: float = 5.0  # s a failover waits for its replica to (re)connect
     # A stream whose input is still open when its first audio is ready gets that audio no
@@ -133,7 +133,7 @@ class StreamPipeline:
         self._slots = asyncio.Semaphore(limits.max_inflight_chunks)
         self._flow_calls: dict[int, asyncio.Future[FlowCall]] = {}  # seq -> chunk, once planned
         self._ready_at: dict[int, float] = {}  # seq -> when its tokens were all in
-        self.playback = PlaybackClock(limits.deadlines) if limits.deadlines else None
+        self.playback = PlaybackClock(limits.deadlines)
         self._due: dict[int, float] = {}  # seq -> playback deadline sent to the flow service
         # seq -> flow result; kept until the stream ends (bounded: 300 s of mel is 4.8 MB), so
         # a lost vocoder session can be replayed on another replica.
@@ -172,7 +172,7 @@ class StreamPipeline:
                 await coro
             except asyncio.CancelledError:
                 # grpc.aio raises CancelledError, not an RpcError, for a call whose channel was
-                # closed under it (a replica's --retire-grace ran out, or shutdown). Only a
+                # closed under it (a retiring replica's grace ran out, or shutdown). Only a
                 # cancellation of this task is ours; the other is a failed stream, and left
                 # unreported it would hang the stream until its deadline. (Python >= 3.11
                 # tells them apart; 3.10 treats both as ours.)
@@ -281,8 +281,6 @@ class StreamPipeline:
     def _block_due(self, call: FlowCall) -> float:
         """The playback deadline of the chunk this block goes out in (projected: its tokens
         may not all be in yet)."""
-        if self.playback is None:
-            return math.inf
         seq, start, end = self.blocks.chunk_at(call.token_offset)
         chunk = FlowCall(seq, end + LOOKAHEAD_TOKENS, start, finalize=False, streaming=True)
         return self.playback.due(chunk, time.monotonic(), project=True)
@@ -295,8 +293,7 @@ class StreamPipeline:
                 # The clock starts when the tokens are in, so time spent waiting for a slot
                 # counts as the gateway's (gateway_ms), not as transport.
                 ready_at = time.monotonic()
-                if self.playback is not None:
-                    self._due[chunk.seq] = self.playback.due(chunk, ready_at)
+                self._due[chunk.seq] = self.playback.due(chunk, ready_at)
                 await self._slots.acquire()  # bounded chunks ahead of the vocoder
                 self._ready_at[chunk.seq] = ready_at
                 fut = asyncio.get_running_loop().create_future()
@@ -353,9 +350,7 @@ class StreamPipeline:
             fut = self._flow_calls[seq] = asyncio.get_running_loop().create_future()
         return fut
 
-    def _slack_ms(self, chunk: FlowCall, seq: int) -> float | None:
-        if self.playback is None:
-            return None
+    def _slack_ms(self, chunk: FlowCall, seq: int) -> float:
         return slack_ms(self.playback.due(chunk, self._ready_at[seq]), time.monotonic())
 
     async def _deliver(self, audio: vocoder_pb2.VocoderAudio, num_samples: int, skip: int):
@@ -441,12 +436,11 @@ class StreamPipeline:
                 if msg.seq == 0:
                     await self._hold_first(ready_at)
                 msg.timing.gateway_ms = (time.monotonic() - ready_at) * 1e3
-                if self.playback is not None:
-                    if msg.seq > 0 and self.observe_lateness is not None:
-                        chunk = self._flow_calls[msg.seq].result()
-                        needed = self.playback.needed_at(chunk, ready_at, project=True)
-                        self.observe_lateness(time.monotonic() - needed)
-                    self.playback.sent(msg.num_samples / SAMPLE_RATE)
+                if msg.seq > 0 and self.observe_lateness is not None:
+                    chunk = self._flow_calls[msg.seq].result()
+                    needed = self.playback.needed_at(chunk, ready_at, project=True)
+                    self.observe_lateness(time.monotonic() - needed)
+                self.playback.sent(msg.num_samples / SAMPLE_RATE)
                 yield msg
         finally:
             if get is not None:

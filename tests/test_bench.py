@@ -437,18 +437,17 @@ def test_stack_starts_gateway_groups_with_their_own_flags(tmp_path):
         StackConfig(gateways=0)
 
     cap = CapacityStack(StackConfig(gateways=2), tmp_path, ("--admission-wait-ms=5",))
-    assert len(set(cap.ports.values())) == len(cap.ports) == 2 + 2 + 1 + 2
+    assert len(set(cap.ports.values())) == len(cap.ports) == 2 + 2 + 1
     assert len(set(cap.metrics_ports.values())) == len(cap.ports)
     cmds = cap.commands()
     groups = {
         g: [gateway_parser().parse_args(cmds[n][3:]) for n in names]
         for g, names in cap.gateway_groups.items()
     }
-    assert [len(v) for v in groups.values()] == [2, 1, 2]
-    assert [(f.admission, f.deadlines) for f in groups["gateway"]] == [(False, True)] * 2
+    assert [len(v) for v in groups.values()] == [2, 1]
+    assert [f.admission for f in groups["gateway"]] == [False] * 2
     (admit,) = groups[cap.ADMIT]
     assert admit.admission and admit.admission_wait_ms == 5
-    assert [(f.admission, f.deadlines) for f in groups[cap.NO_DEADLINES]] == [(False, False)] * 2
     assert {f.flow_addr for fs in groups.values() for f in fs} == {
         f"127.0.0.1:{cap.ports['flow_service']}"
     }

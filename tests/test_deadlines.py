@@ -354,7 +354,7 @@ async def test_late_chunks_cut_the_capacity_admission_plans_with_and_on_time_one
         now[0] = 2.0 + i
         ctl.observe(1.0)
     assert ctl.factor == pytest.approx(cfg.feedback_floor)
-    off = AdmissionController(dataclasses.replace(cfg, feedback=False), board)
+    off = AdmissionController(dataclasses.replace(cfg, enabled=False), board)  # learns nothing
     off.observe(1.0)
     assert off.factor == 1.0
 
@@ -468,41 +468,38 @@ async def test_gateway_admission_refuses_at_once_and_admits_with_room(models):
 
     voice, tokens = stream_inputs(5, 20, 40)
     refused = REGISTRY.get_sample_value("t2w_gateway_admission_refused_total") or 0.0
-    stack = await start_stack(models, "--admission=true", "--admission-capacity=1")
+    stack = await start_stack(models, "--admission=true")
     try:  # 1 frame/s: even one stream would be late
+        stack.gateway.service.servicer.admission.board.report("flow-a", 1.0)
         code, details = await _call(stack.target, [cfg_msg(voice), tok(tokens), END])
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "late by" in details
         assert REGISTRY.get_sample_value("t2w_gateway_admission_refused_total") == refused + 1
     finally:
         await stack.stop()
-    # room enough: admitted, and each flow call carries its playback deadline; a gateway that
-    # sends no deadlines (services schedule as before) streams the same way
-    for flags, with_deadlines in (((), True), (("--deadlines=false",), False)):
-        stack = await start_stack(models, "--admission=true", "--admission-capacity=1e9", *flags)
-        slack = {}  # token_offset -> due - arrival at the flow engine, s
-        submit = stack.engine.submit
+    # room enough: admitted, and each flow call carries its playback deadline
+    stack = await start_stack(models, "--admission=true")
+    stack.gateway.service.servicer.admission.board.report("flow-a", 1e9)
+    slack = {}  # token_offset -> due - arrival at the flow engine, s
+    submit = stack.engine.submit
 
-        async def recording(request, deadline, due, submit=submit, slack=slack):
-            slack[request.token_offset] = due - time.monotonic()
-            return await submit(request, deadline, due)
+    async def recording(request, deadline, due):
+        slack[request.token_offset] = due - time.monotonic()
+        return await submit(request, deadline, due)
 
-        stack.engine.submit = recording
-        lateness = []  # what the stream reports to admission's feedback, per chunk after seq 0
-        stack.gateway.service.servicer.admission.observe = lateness.append
-        try:
-            async with AsyncClient(stack.target) as client:
-                chunks = await run_stream(client, voice, tokens, seed=1)
-            check_exactly_once(chunks, len(tokens))
-        finally:
-            await stack.stop()
-        assert len(slack) == len(chunks)
-        assert len(lateness) == (len(chunks) - 1 if with_deadlines else 0)
-        assert all(math.isfinite(v) for v in lateness)
-        if with_deadlines:  # first chunk: 150 ms target - 50 ms margin after its tokens
-            assert 0 < slack[0] <= 0.1
-            assert all(math.isfinite(v) for v in slack.values())
-        else:
-            assert all(v == math.inf for v in slack.values())
+    stack.engine.submit = recording
+    lateness = []  # what the stream reports to admission's feedback, per chunk after seq 0
+    stack.gateway.service.servicer.admission.observe = lateness.append
+    try:
+        async with AsyncClient(stack.target) as client:
+            chunks = await run_stream(client, voice, tokens, seed=1)
+        check_exactly_once(chunks, len(tokens))
+    finally:
+        await stack.stop()
+    assert len(slack) == len(chunks)
+    assert len(lateness) == len(chunks) - 1
+    assert all(math.isfinite(v) for v in lateness)
+    assert 0 < slack[0] <= 0.1  # first chunk: 150 ms target - 50 ms margin after its tokens
+    assert all(math.isfinite(v) for v in slack.values())
 
 
 class HoldFirstStep(torch.nn.Module):
