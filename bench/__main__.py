@@ -150,20 +150,25 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
 
 
-# Subcommands that are parts with flags of their own: `python -m bench NAME ARGS` calls the
-# module's main(ARGS), so `python -m bench NAME --help` shows that part's flags.
+# Subcommands that are parts with flags of their own: `python -m bench NAME ARGS` calls
+# MODULE.FUNCTION(ARGS) (FUNCTION: main unless named), so `python -m bench NAME --help` shows
+# that part's flags. The parts that time one model or one service share their flags, timing
+# loop and JSON record (bench/parts.py).
 TOOLS: dict[str, tuple[str, str]] = {
-    "flow-model": ("bench.flow_model_gpu", "Stage-1 flow model alone: exactness and batch timing"),
-    "flow-service": ("bench.flow_service_bench", "flow_service alone over gRPC, batching on/off"),
-    "prefix-cache": ("bench.prefix_cache_bench", "flow prefix cache on/off: work and throughput"),
+    "flow-model": ("bench.flow_model", "Stage-1 flow model alone: exactness and batch timing"),
+    "kernels": ("bench.flow_kernels:main", "DiT kernel variants: time, MFU, exactness"),
+    "profile-batch": ("bench.flow_profile:profile_batch", "torch profiler trace of one flow batch"),
     "profile-prefix": (
-        "bench.profile_prefix",
+        "bench.flow_profile:profile_prefix",
         "flow calls of one utterance: eager, eager + cache, CUDA graphs",
     ),
-    "profile-batch": ("bench.profile_batch", "torch profiler trace of one flow batch"),
-    "kernels": ("bench.kernels_bench", "DiT kernel variants: time, MFU, exactness"),
-    "hift-model": ("bench.hift_model_gpu", "Stage-2 HiFT model alone: exactness and timing"),
-    "vocoder-latency": ("bench.vocoder_latency_gpu", "vocoder batch latency, graphs off/on"),
+    "flow-service": ("bench.flow_service_bench", "flow_service alone over gRPC, batching on/off"),
+    "prefix-cache": ("bench.prefix_cache_bench", "flow prefix cache on/off: work and throughput"),
+    "hift-model": ("bench.vocoder_model", "Stage-2 HiFT model alone: exactness and timing"),
+    "vocoder-latency": (
+        "bench.vocoder_model:latency_main",
+        "vocoder batch latency, graphs off/on",
+    ),
     "vocoder-service": ("bench.vocoder_service_bench", "vocoder_service alone over gRPC"),
     "upstream-compare": ("bench.upstream_compare", "SNR against upstream CosyVoice3's code"),
     "audio-formats": ("bench.audio_formats", "what each output format costs per stream"),
@@ -174,13 +179,14 @@ TOOLS: dict[str, tuple[str, str]] = {
 
 
 def run_tool(name: str, argv: list[str]) -> int:
-    """The exit status of `python -m bench NAME ARGV`: main's int, else 0; argparse's on --help
-    or a bad flag."""
-    module = importlib.import_module(TOOLS[name][0])
+    """The exit status of `python -m bench NAME ARGV`: the part's int, else 0; argparse's on
+    --help or a bad flag."""
+    module, _, function = TOOLS[name][0].partition(":")
+    entry = getattr(importlib.import_module(module), function or "main")
     saved = sys.argv
     sys.argv = [f"python -m bench {name}", *argv]  # argparse names the program from argv[0]
     try:
-        code = module.main(argv)
+        code = entry(argv)
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0

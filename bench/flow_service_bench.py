@@ -11,33 +11,29 @@ calls in flight, and starts its next utterance when the last call of the previou
 (closed loop: the figures are the service's capacity). Reported per level: frame-steps per
 second (real DiT frames x solver steps, the unit the issue's DiT ceiling is quoted in), audio
 seconds per second, client-side per-call latency percentiles, and the service's own timing
-(queue wait, batch compute, batch size). Random weights: speed only. Writes
-$OUT/flow_service_bench.json (or --out).
+(queue wait, batch compute, batch size). Random weights unless --model-dir: speed only.
+Writes OUT/flow_service_bench.json after every level.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import platform
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.args import add_model_args
+from bench import parts
 from bench.workload import TOKEN_RATE, make_bench_voice, make_tokens
 from flow_service.config import FlowConfig
 from flow_service.config import build_parser as flow_parser
-from flow_service.model import NUM_STEPS, TOKEN_MEL_RATIO, load_flow
+from flow_service.model import NUM_STEPS, load_flow
 from flow_service.service import FlowService
 from gateway.downstream import FlowClient
 from gateway.routing import ReplicaSet
-from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner
+from gateway.schedule import ChunkPlanner
 from token2wav.service import start
 
 
@@ -49,12 +45,6 @@ def plan_calls(num_prompt_tokens: int, num_tokens: int) -> list:
         while (chunk := planner.next_call(num_tokens, ended)) is not None:
             calls.append(chunk)
     return calls
-
-
-def seq_frames(num_prompt_tokens: int, chunk) -> int:
-    """DiT sequence length of a call: prompt plus the tokens whose mel exists after it."""
-    emitted = chunk.num_tokens - (0 if chunk.finalize else LOOKAHEAD_TOKENS)
-    return TOKEN_MEL_RATIO * (num_prompt_tokens + emitted)
 
 
 def _mean(values: list[float]) -> float | None:
@@ -98,7 +88,7 @@ async def run_level(client: FlowClient, a: argparse.Namespace, streams: int, tag
                 queue_ms=out.queue_ms,
                 compute_ms=out.compute_ms,
                 batch_size=out.batch_size,
-                frames=seq_frames(a.prompt_tokens, chunk),
+                frames=chunk.num_seq_frames(a.prompt_tokens),
                 out_frames=out.num_frames,
                 first=chunk.seq == 0,
             )
@@ -198,10 +188,16 @@ async def run_mode(model, a: argparse.Namespace, batching: bool, save) -> list[d
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    p = parts.parser(
+        "flow-service",
+        __doc__,
+        smoke={
+            "dtype": ["float32"],
+            "concurrency": "1,3",
+            "utterances": 1,
+            "utterance_tokens": 60,
+        },
     )
-    add_model_args(p)
     p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated stream counts")
     p.add_argument("--utterances", type=int, default=2, help="per stream and level")
     p.add_argument("--prompt-tokens", type=int, default=75)
@@ -209,8 +205,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-inflight", type=int, default=4, help="calls in flight per stream")
     p.add_argument("--batching", default="on,off", help="on, off or on,off")
     p.add_argument("--call-timeout", type=float, default=600.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.environ.get("OUT") or ".", help="folder for the JSON")
     p.add_argument(
         "--flow-arg",
         action="append",
@@ -218,11 +212,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="FLAG",
         help="extra flow_service flag, repeatable (e.g. --flow-arg=--max-wait-ms=0)",
     )
-    p.add_argument("--smoke", action="store_true", help="CPU, small preset, 2 levels, seconds")
-    a = p.parse_args(argv)
-    if a.smoke:
-        a.device, a.dtype, a.preset = "cpu", "float32", "small"
-        a.concurrency, a.utterances, a.utterance_tokens = "1,3", 1, 60
+    a = parts.parse(p, argv)
+    a.dtype = parts.one_dtype(p, a)
     a.concurrency = [int(x) for x in str(a.concurrency).split(",")]
     a.batching = [x.strip() for x in a.batching.split(",") if x.strip()]
     if not set(a.batching) <= {"on", "off"} or not a.batching:
@@ -232,21 +223,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    if a.device == "cpu":
-        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
-    model = load_flow(None, device=a.device, dtype=dtype, preset=a.preset)
+    parts.cpu_threads(a.device)
+    model = load_flow(
+        a.model_dir, device=a.device, dtype=parts.DTYPES[a.dtype], preset=a.preset, seed=a.seed
+    )
     result = dict(
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        command="python -m bench flow-service " + " ".join(sys.argv[1:] if argv is None else argv),
+        date=a.environment["date"],
+        command=a.environment["command"],
         device=torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.machine(),
         torch=torch.__version__,
-        config={k: v for k, v in vars(a).items() if k != "out"},
+        config=parts.config(a),
         rows=[],
         on_off_ratio={},
     )
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
 
     def save(row: dict) -> None:
         result["rows"].append(row)
@@ -255,7 +244,7 @@ def main(argv=None) -> dict:
             if {"on", "off"} <= set(by) and by["off"]["frame_steps_per_s"] > 0:
                 ratio = by["on"]["frame_steps_per_s"] / by["off"]["frame_steps_per_s"]
                 result["on_off_ratio"][n] = round(ratio, 2)
-        (out / "flow_service_bench.json").write_text(json.dumps(result, indent=2))
+        parts.save(a, result, "flow_service_bench")
 
     for label in a.batching:
         asyncio.run(run_mode(model, a, label == "on", save))

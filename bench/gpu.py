@@ -9,7 +9,6 @@ is the peak so far of that stack, and the largest concurrency level gives the tr
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shutil
@@ -135,12 +134,3 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def save_json(name: str, data: dict, indent: int = 2) -> None:
-    """Write `data` to $OUT/`name` when $OUT is set (the device tool brings $OUT back)."""
-    out = os.environ.get("OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, name), "w") as f:
-            json.dump(data, f, indent=indent)

@@ -16,7 +16,8 @@ frame share, bytes and evictions. Each stream keeps up to --max-inflight (4, the
 default) of its calls in flight; with the cache on, the flow engine runs them in stream order
 (FlowEngine.submit), with it off they run side by side, as deployed.
 
-Random weights (speed and exactness only). Writes $OUT/prefix_cache_bench.json (or --out).
+Random weights unless --model-dir (speed and exactness only). Writes
+OUT/prefix_cache_bench.json after every run.
 """
 
 from __future__ import annotations
@@ -24,21 +25,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
-import os
 import platform
-import sys
 import time
-from pathlib import Path
 
 import torch
 
 from bench import flow_service_bench as fsb
-from bench.args import add_model_args
-from bench.workload import make_bench_voice, make_tokens
+from bench import parts
+from bench.workload import TOKEN_RATE, make_bench_voice, make_tokens
 from flow_service.model import NUM_STEPS, FlowRequest, PrefixCache, Voice, load_flow
-
-TOKEN_RATE = 25  # speech tokens per second of audio
 
 
 def requests_for(voice: Voice, tokens: torch.Tensor, prompt_tokens: int, key: str):
@@ -64,11 +59,9 @@ def per_utterance(model, a, seconds: int) -> dict:
     times = {"off": 0.0, "on": 0.0}
     for c in calls:
         for mode in ("off", "on"):
-            sync(model)
-            t0 = time.perf_counter()
-            out = model.generate([c], prefix_cache=cache if mode == "on" else None)[0]
-            sync(model)
-            times[mode] += time.perf_counter() - t0
+            use = cache if mode == "on" else None
+            (out,), ms = parts.once(lambda: model.generate([c], prefix_cache=use), model.device)  # noqa: B023
+            times[mode] += ms / 1e3
             if mode == "off":
                 ref = out
         worst = max(worst, float((out - ref).abs().max() / ref.abs().max().clamp(min=1e-6)))
@@ -91,11 +84,6 @@ def per_utterance(model, a, seconds: int) -> dict:
     )
 
 
-def sync(model) -> None:
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
-
-
 def generate_only(model, a, seconds: int, cache_on: bool, save) -> dict:
     flags = [
         f"--concurrency={a.streams}",
@@ -105,6 +93,9 @@ def generate_only(model, a, seconds: int, cache_on: bool, save) -> dict:
         f"--max-inflight={a.max_inflight}",
         f"--device={a.device}",
         f"--dtype={a.dtype}",
+        f"--preset={a.preset}",
+        f"--seed={a.seed}",
+        f"--out={a.out}",
         f"--flow-arg=--prefix-cache-mb={a.cache_mb if cache_on else 0}",
         *a.flow_arg,
     ]
@@ -127,10 +118,11 @@ def generate_only(model, a, seconds: int, cache_on: bool, save) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    p = parts.parser(
+        "prefix-cache",
+        __doc__,
+        smoke={"dtype": ["float32"], "seconds": "4,6", "streams": 3, "part1_cache_mb": 256},
     )
-    add_model_args(p)
     p.add_argument("--seconds", default="10,30", help="utterance lengths (s), comma-separated")
     p.add_argument("--prompt-tokens", type=int, default=75)
     p.add_argument("--streams", type=int, default=64, help="Generate-only concurrency")
@@ -154,39 +146,31 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="skip a Generate-only run whose estimated end is past this many seconds",
     )
     p.add_argument("--flow-arg", action="append", default=[], metavar="FLAG")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.environ.get("OUT") or ".", help="folder for the JSON")
-    p.add_argument("--smoke", action="store_true", help="CPU, small preset, fp32, short")
-    a = p.parse_args(argv)
-    if a.smoke:
-        a.device, a.dtype, a.preset = "cpu", "float32", "small"
-        a.seconds, a.streams, a.part1_cache_mb = "4,6", 3, 256
+    a = parts.parse(p, argv)
+    a.dtype = parts.one_dtype(p, a)
     a.seconds = [int(x) for x in str(a.seconds).split(",")]
     return a
 
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    if a.device == "cpu":
-        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
-    model = load_flow(None, device=a.device, dtype=dtype, preset=a.preset)
+    parts.cpu_threads(a.device)
+    dtype = parts.DTYPES[a.dtype]
+    model = load_flow(a.model_dir, device=a.device, dtype=dtype, preset=a.preset, seed=a.seed)
     result = dict(
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        command="python -m bench prefix-cache " + " ".join(sys.argv[1:] if argv is None else argv),
+        date=a.environment["date"],
+        command=a.environment["command"],
         device=torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.machine(),
         torch=torch.__version__,
-        config={k: v for k, v in vars(a).items() if k != "out"},
+        config=parts.config(a),
         per_utterance=[],
         generate_only=[],
         skipped=[],
     )
     started = time.perf_counter()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
 
     def write() -> None:
-        (out / "prefix_cache_bench.json").write_text(json.dumps(result, indent=2))
+        parts.save(a, result, "prefix_cache_bench")
 
     def part1(m, label: str, seconds: int) -> None:
         row = dict(per_utterance(m, a, seconds), dtype=label)
@@ -207,7 +191,9 @@ def main(argv=None) -> dict:
         # the exactness bar: fp32 with TF32 off (PyTorch's default for matmuls), first length
         tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-        m32 = load_flow(None, device=a.device, dtype=torch.float32, preset=a.preset)
+        m32 = load_flow(
+            a.model_dir, device=a.device, dtype=torch.float32, preset=a.preset, seed=a.seed
+        )
         part1(m32, "float32, TF32 off", a.seconds[0])
         del m32
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32

@@ -9,12 +9,12 @@ in the same run; plus per-chunk model time against history length, and upstream'
 
 Each session is closed-loop: it sends chunk k+1 when chunk k's audio is back, so the figures
 are the service's capacity, not a flow-paced stream. Latency is client-side, send -> audio.
-Random weights: the numbers measure speed, not speech. Writes $OUT/vocoder_service_bench.json.
+Random weights unless --model-dir: the numbers measure speed, not speech. Writes
+OUT/vocoder_service_bench.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import platform
 import sys
@@ -24,10 +24,9 @@ import grpc
 import numpy as np
 import torch
 
-from bench.args import add_model_args
-from bench.gpu import save_json
+from bench import parts
+from bench.vocoder_model import make_mel, upstream_schedule
 from token2wav import SAMPLES_PER_FRAME
-from token2wav.dtypes import DTYPES
 from token2wav.server import ServerOptions
 from token2wav.service import start as start_service
 from token2wav.tensors import decode, encode
@@ -35,27 +34,6 @@ from token2wav.v1 import vocoder_pb2, vocoder_pb2_grpc
 from vocoder_service.config import BatcherConfig, ModelConfig, SessionConfig, VocoderServiceConfig
 from vocoder_service.model import SAMPLE_RATE, load_hift
 from vocoder_service.service import VocoderService
-
-UPSTREAM_HOPS = (50, 100, 200)  # mel frames (25, 50, 100 tokens), then 200 until the end
-
-
-def schedule(frames: int) -> list[int]:
-    """Chunk sizes of the upstream streaming loop; the last one carries finalize."""
-    sizes, hops = [], list(UPSTREAM_HOPS)
-    while frames > 0:
-        hop = hops.pop(0) if hops else UPSTREAM_HOPS[-1]
-        sizes.append(min(hop, frames))
-        frames -= sizes[-1]
-    return sizes
-
-
-def make_mel(seed: int, frames: int) -> np.ndarray:
-    return np.random.default_rng(seed).normal(-5.0, 2.0, (80, frames)).astype(np.float32)
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def pct(values, q) -> float:
@@ -92,7 +70,9 @@ async def one_session(stub, rid: str, mel: np.ndarray, sizes: list[int]):
 
 async def load_sweep(model, args, batching: bool) -> list[dict]:
     cfg = VocoderServiceConfig(
-        model=ModelConfig(args.preset, None, args.device, args.dtype),
+        model=ModelConfig(
+            preset=args.preset, model_dir=args.model_dir, device=args.device, dtype=args.dtype
+        ),
         sessions=SessionConfig(max_num_sessions=max(256, 2 * max(args.sessions))),
         batcher=BatcherConfig(
             max_batch_sessions=args.max_batch_sessions if batching else 1,
@@ -103,8 +83,8 @@ async def load_sweep(model, args, batching: bool) -> list[dict]:
     server = await start_service(VocoderService(cfg, model=model))
     port = server.port
     rows = []
-    sizes = schedule(args.frames)
-    mels = [make_mel(i, args.frames) for i in range(max(args.sessions))]
+    sizes = upstream_schedule(args.frames)
+    mels = [make_mel(args.frames, i).numpy() for i in range(max(args.sessions))]
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = vocoder_pb2_grpc.VocoderStub(ch)
@@ -115,7 +95,7 @@ async def load_sweep(model, args, batching: bool) -> list[dict]:
             for n in args.sessions:
                 if args.device.startswith("cuda"):
                     torch.cuda.reset_peak_memory_stats()
-                sync(args.device)
+                parts.sync(args.device)
                 start = time.perf_counter()
                 results = await asyncio.gather(
                     *(
@@ -163,19 +143,13 @@ async def load_sweep(model, args, batching: bool) -> list[dict]:
 # -- in-process: history length and the upstream reference ---------------------------------------
 
 
-def timed(fn, device: str):
-    sync(device)
-    start = time.perf_counter()
-    out = fn()
-    sync(device)
-    return out, (time.perf_counter() - start) * 1e3
-
-
 def upstream_redecode(model, mel: torch.Tensor, sizes: list[int], device: str):
     """Upstream's loop (docs/REFERENCE.md §6.3): decode all mel so far every chunk, keep the new samples."""
     emitted, total_ms, pieces, ends = 0, 0.0, [], np.cumsum(sizes)
     for k, end in enumerate(ends):
-        out, ms = timed(lambda e=end, k=k: model.decode(mel[:, :e], k == len(sizes) - 1), device)
+        out, ms = parts.once(
+            lambda e=end, k=k: model.decode(mel[:, :e], k == len(sizes) - 1), device
+        )
         pieces.append(out[emitted:])
         emitted = out.shape[0]
         total_ms += ms
@@ -186,7 +160,7 @@ def incremental(model, mel: torch.Tensor, sizes: list[int], device: str):
     st, pieces, per_chunk, offset = model.new_session(), [], [], 0
     for k, n in enumerate(sizes):
         chunk = mel[:, offset : offset + n]
-        (out,), ms = timed(
+        (out,), ms = parts.once(
             lambda c=chunk, k=k: model.decode_batch([st], [c], [k == len(sizes) - 1]), device
         )
         pieces.append(out)
@@ -197,8 +171,8 @@ def incremental(model, mel: torch.Tensor, sizes: list[int], device: str):
 
 def model_only(model, args) -> list[dict]:
     """The same N-session schedule straight on model.step: lockstep batched vs one by one."""
-    dev, sizes, rows = args.device, schedule(args.frames), []
-    mels = [torch.from_numpy(make_mel(100 + i, args.frames)) for i in range(max(args.sessions))]
+    dev, sizes, rows = args.device, upstream_schedule(args.frames), []
+    mels = [make_mel(args.frames, 100 + i) for i in range(max(args.sessions))]
     edges = np.cumsum([0, *sizes])
     for n in sorted({x for x in args.sessions if x in (1, 8, 64)} | {max(args.sessions)}):
         states = [model.new_session() for _ in range(n)]
@@ -206,7 +180,9 @@ def model_only(model, args) -> list[dict]:
         for k in range(len(sizes)):
             chunk = [m[:, edges[k] : edges[k + 1]] for m in mels[:n]]
             last = [k == len(sizes) - 1] * n
-            batched += timed(lambda s=states, c=chunk, f=last: model.decode_batch(s, c, f), dev)[1]
+            batched += parts.once(
+                lambda s=states, c=chunk, f=last: model.decode_batch(s, c, f), dev
+            )[1]
         serial = 0.0
         for m in mels[:n]:
             serial += sum(ms for _, ms in incremental(model, m, sizes, dev)[1])
@@ -229,26 +205,30 @@ def model_only(model, args) -> list[dict]:
 
 def history_and_reference(model, args) -> dict:
     dev = args.device
-    utt = torch.from_numpy(make_mel(7, args.frames)).to(dev)
-    sizes = schedule(args.frames)
-    incremental(model, utt, sizes, dev)  # warm-up
-    upstream_redecode(model, utt, sizes, dev)
+    utt = make_mel(args.frames, 7).to(dev)
+    sizes = upstream_schedule(args.frames)
+    for _ in range(args.warmup):
+        incremental(model, utt, sizes, dev)
+        upstream_redecode(model, utt, sizes, dev)
     up = [upstream_redecode(model, utt, sizes, dev) for _ in range(args.repeats)]
     inc = [incremental(model, utt, sizes, dev) for _ in range(args.repeats)]
     up_ms = float(np.median([u[1] for u in up]))
     inc_ms = float(np.median([sum(ms for _, ms in i[1]) for i in inc]))
     err = float((inc[0][0] - up[0][0]).abs().max())
     # Per-chunk time against history: one long session in equal chunks.
-    long_mel = torch.from_numpy(make_mel(8, args.long_frames)).to(dev)
+    long_mel = make_mel(args.long_frames, 8).to(dev)
     long_sizes = [args.long_chunk] * (args.long_frames // args.long_chunk)
-    incremental(model, long_mel[:, : 4 * args.long_chunk], long_sizes[:4], dev)  # warm-up
+    for _ in range(args.warmup):
+        incremental(model, long_mel[:, : 4 * args.long_chunk], long_sizes[:4], dev)
     runs = [incremental(model, long_mel, long_sizes, dev) for _ in range(args.repeats)]
     per_chunk = np.median([[ms for _, ms in r[1]] for r in runs], axis=0)
     hist = [off for off, _ in runs[0][1]]
-    full, _ = timed(lambda: model.decode(long_mel, True), dev)
+    full, _ = parts.once(lambda: model.decode(long_mel, True), dev)
     long_err = float((runs[0][0] - full).abs().max())
     points = sorted({min(args.long_frames, p) for p in (500, 1000, 2000, args.long_frames)})
-    redecode = {p: timed(lambda p=p: model.decode(long_mel[:, :p], False), dev)[1] for p in points}
+    redecode = {
+        p: parts.once(lambda p=p: model.decode(long_mel[:, :p], False), dev)[1] for p in points
+    }
     return {
         "utterance_frames": args.frames,
         "schedule": sizes,
@@ -269,21 +249,23 @@ def history_and_reference(model, args) -> dict:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_args(p, dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu")
+    p = parts.parser(
+        "vocoder-service",
+        __doc__,
+        dtype="float32",
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        repeats=3,
+        smoke={"sessions": "1,2", "frames": 120, "long_frames": 300, "long_chunk": 50},
+    )
     p.add_argument("--sessions", default="1,2,4,8,16,32,64", help="comma-separated sweep")
     p.add_argument("--frames", type=int, default=500, help="utterance length (500 = 10 s)")
     p.add_argument("--long-frames", type=int, default=3000, help="history test length (60 s)")
     p.add_argument("--long-chunk", type=int, default=100)
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-batch-sessions", type=int, default=64)
     p.add_argument("--max-wait-ms", type=float, default=2.0)
     p.add_argument("--disable-tf32", action="store_true", help="cuDNN/cuBLAS fp32 without TF32")
-    p.add_argument("--smoke", action="store_true", help="tiny CPU config (small preset)")
-    args = p.parse_args(argv)
-    if args.smoke:
-        args.device, args.preset, args.sessions = "cpu", "small", "1,2"
-        args.frames, args.long_frames, args.long_chunk, args.repeats = 120, 300, 50, 1
+    args = parts.parse(p, argv)
+    args.dtype = parts.one_dtype(p, args)
     args.sessions = [int(x) for x in args.sessions.split(",")]
     return args
 
@@ -294,7 +276,13 @@ def main(argv=None) -> int:
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
     start = time.perf_counter()
-    model = load_hift(None, device=args.device, dtype=DTYPES[args.dtype], preset=args.preset)
+    model = load_hift(
+        args.model_dir,
+        device=args.device,
+        dtype=parts.DTYPES[args.dtype],
+        preset=args.preset,
+        seed=args.seed,
+    )
     env = {
         "device": torch.cuda.get_device_name()
         if args.device.startswith("cuda")
@@ -364,5 +352,5 @@ def main(argv=None) -> int:
         f"{ref['long_stitched_vs_full_decode_max_abs']:.2e}"
     )
     print(f"total {report['total_s']:.1f} s")
-    save_json("vocoder_service_bench.json", report, indent=1)
+    parts.save(args, report, "vocoder_service_bench")
     return 0

@@ -58,3 +58,85 @@ def test_docs_name_only_commands_that_exist():
             assert name in known, f"{path.relative_to(root)}: python -m bench {name}"
             seen.add(name)
     assert {"sweep", "capacity", "flow-model", "simulate"} <= seen  # the scan found the docs
+
+
+def _numbers(value, path=""):
+    """(path, number) of every number in a JSON value."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _numbers(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _numbers(v, f"{path}[{i}]")
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield path, value
+
+
+# Each part that times one model or one service, at its smallest CPU sizes: the JSON it writes
+# and keys the docs and the frozen runs in docs/bench/ read. flow-service and kernels have
+# tests of their own (test_bench.py, test_kernels.py), vocoder-latency too (test_vocoder_graphs).
+PART_SMOKES = {
+    "flow-model": (
+        ["--batches", "1", "--generate-repeats", "1"],
+        "flow_model_gpu",
+        ("env", "chunking", "step", "generate"),
+    ),
+    "profile-batch": ([], "profile_flow_float32_B2_T206", ("wall_ms", "batch", "frames")),
+    "profile-prefix": ([], "profile_prefix", ("frames", "ms")),
+    "hift-model": (
+        ["--histories", "1", "--batches", "1", "--long-s", "4"],
+        "hift_model_gpu",
+        ("exact_long_flushed_max_abs", "session_ms_per_100f_hist1s", "batch1_ms_per_step"),
+    ),
+    "prefix-cache": (
+        ["--seconds", "4", "--streams", "2"],
+        "prefix_cache_bench",
+        ("per_utterance", "generate_only"),
+    ),
+    "vocoder-service": (
+        ["--sessions", "1"],
+        "vocoder_service_bench",
+        ("env", "reference", "model_only", "load"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PART_SMOKES))
+def test_part_smoke_writes_its_record(name, tmp_path, capsys):
+    import json
+    import math
+
+    argv, stem, keys = PART_SMOKES[name]
+    assert main([name, "--smoke", *argv, "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / f"{stem}.json").read_text())
+    for key in keys:
+        assert record[key] not in (None, {}, []), key
+    env = record["environment"]
+    assert env["command"].startswith(f"python -m bench {name} --smoke")
+    assert env["hardware"]["torch"]
+    numbers = dict(_numbers({k: record[k] for k in keys}))
+    assert numbers, "no figure measured"
+    bad = {p: v for p, v in numbers.items() if not math.isfinite(v)}
+    assert not bad, bad
+    assert '_error"' not in json.dumps(record)  # a path that failed and was only reported
+    if name == "hift-model":  # the exactness figures are real: sessions match the full decode
+        assert max(v for k, v in record.items() if k.startswith("exact_")) <= 1e-3
+
+
+def test_parts_share_one_set_of_flags(capsys):
+    """Every part that times a model or a service takes the shared flags (bench/parts.py)."""
+    shared = ("--device", "--dtype", "--preset", "--model-dir", "--seed", "--repeats")
+    shared += ("--warmup", "--out", "--smoke")
+    for name in (*PART_SMOKES, "flow-service", "kernels", "vocoder-latency"):
+        assert main([name, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert "shared by every part" in out, name
+        for flag in shared:
+            assert flag in out, (name, flag)
+
+
+def test_part_names_a_bad_shared_value(capsys):
+    assert main(["profile-batch", "--dtype", "float16"]) == 2
+    assert "--dtype" in capsys.readouterr().err
+    assert main(["profile-batch", "--dtype", "float32,bfloat16", "--smoke"]) == 2
+    assert "one dtype" in capsys.readouterr().err

@@ -255,17 +255,17 @@ def test_cuda_bf16_kernels_stay_as_close_to_fp32_as_the_plain_path(monkeypatch):
 def test_kernels_bench_cpu_dry_run(tmp_path):
     """The GPU bench's CPU dry run: every variant runs, agrees with the baseline, and its
     figures are consistent (no timing is asserted)."""
-    from bench import kernels_bench
+    from bench import flow_kernels
     from bench.__main__ import main as bench
 
-    out = tmp_path / "kernels.json"
-    argv = ["kernels", "--device", "cpu", "--preset", "small", "--dtypes", "fp32"]
+    out = tmp_path / "kernels_bench.json"
+    argv = ["kernels", "--device", "cpu", "--preset", "small", "--dtype", "fp32"]
     argv += ["--rows", "1", "--frames", "206", "--kinds", "streaming", "--repeats", "1"]
-    assert bench([*argv, "--budget-s", "120", "--out", str(out)]) == 0
+    assert bench([*argv, "--budget-s", "120", "--out", str(tmp_path)]) == 0
     res = json.loads(out.read_text())
     assert not res["errors"] and not res["skipped"]
     (case,) = res["cases"]
-    assert set(case["variants"]) == set(kernels_bench.VARIANTS)
+    assert set(case["variants"]) == set(flow_kernels.VARIANTS)
     for row in case["variants"].values():
         assert row["rel_max_diff_vs_baseline"] <= REL
         assert row["frame_steps_per_s"] == pytest.approx(206 * 10 / (row["ms"] / 1e3), rel=0.01)
@@ -273,7 +273,7 @@ def test_kernels_bench_cpu_dry_run(tmp_path):
 
 
 def test_kernels_bench_counts_visible_keys():
-    from bench.kernels_bench import visible_pairs
+    from bench.flow_kernels import visible_pairs
 
     assert visible_pairs(100, False, 50) == 100 * 100
     assert visible_pairs(100, True, 50) == 50 * 50 + 50 * 100  # block 0 sees 50 keys, block 1 100
@@ -283,10 +283,10 @@ def test_kernels_bench_counts_visible_keys():
 def test_kernels_bench_runs_only_the_variants_asked_for(tmp_path):
     from bench.__main__ import main as bench
 
-    out = tmp_path / "kernels.json"
-    argv = ["kernels", "--device", "cpu", "--preset", "small", "--dtypes", "fp32"]
+    out = tmp_path / "kernels_bench.json"
+    argv = ["kernels", "--device", "cpu", "--preset", "small", "--dtype", "fp32"]
     argv += ["--rows", "1", "--frames", "206", "--kinds", "final", "--repeats", "1"]
-    argv += ["--variants", "fused", "--budget-s", "120", "--out", str(out)]
+    argv += ["--variants", "fused", "--budget-s", "120", "--out", str(tmp_path)]
     assert bench(argv) == 0
     (case,) = json.loads(out.read_text())["cases"]
     assert set(case["variants"]) == {"baseline", "fused"}  # the reference always runs

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.hift_model_gpu import batched_and_solo, make_mel, upstream_schedule
+from bench.vocoder_model import batched_and_solo, make_mel, upstream_schedule
 from tests.test_vocoder_model import _one_thread  # noqa: F401 - autouse: one CPU thread
 from vocoder_service.metrics import GRAPH_CALLS
 from vocoder_service.model import load_hift
@@ -341,10 +341,11 @@ def test_cuda_graphs_equal_eager(dtype):
 
 @pytest.mark.slow
 def test_latency_bench_smoke(tmp_path):
-    """python -m bench vocoder-latency --smoke: every case measured off and on, same audio."""
+    """python -m bench vocoder-latency --smoke: every case measured off and on (on the CPU the
+    service ignores --cuda-graphs: the same path twice), the same audio."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(root)}
-    cmd = [sys.executable, "-m", "bench", "vocoder-latency", "--smoke"]
+    cmd = [sys.executable, "-m", "bench", "vocoder-latency", "--smoke", "--out", str(tmp_path)]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     res = json.loads((tmp_path / "vocoder_latency_gpu.json").read_text())

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from bench.hift_model_gpu import batched_and_solo, make_mel, upstream_schedule
+from bench.vocoder_model import batched_and_solo, make_mel, upstream_schedule
 from token2wav import SAMPLES_PER_FRAME
 from vocoder_service.model import (
     HIFT_PRESETS,
