@@ -30,6 +30,7 @@ from token2wav.errors import ResourceExhausted, Unavailable
 from token2wav.faults import (
     EXIT_DEVICE_LOST,
     FaultInjector,
+    RowOutOfMemory,
     injected_device_error,
     injected_oom,
     is_device_lost,
@@ -285,3 +286,114 @@ async def test_vocoder_sticky_error_answers_unavailable_and_exits_for_a_restart(
         assert await _not_serving(server)
     finally:
         await server.drain()
+
+
+# -- a real out-of-memory on a GPU -----------------------------------------------------------
+#
+# The injector above proves the containment logic; these prove that a real allocator failure
+# reaches it as an out-of-memory (not as a sticky device error) and that the halves then run.
+# The device is filled with a ballast tensor until the four-row batch no longer fits but a
+# two-row half does (both peaks are measured first, on the same card).
+
+
+def _peak_bytes(run) -> int:
+    """The device memory `run()` reserves beyond what is reserved before it."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_reserved() - base
+
+
+class _Ballast:
+    """Leaves only `room` bytes of the device free while inside."""
+
+    def __init__(self, room: int):
+        self.room = room
+        self.ballast = None
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info()
+        assert free > self.room, f"only {free} bytes free, the test needs {self.room}"
+        self.ballast = torch.empty(free - self.room, dtype=torch.uint8, device="cuda")
+        return self
+
+    def __exit__(self, *exc):
+        self.ballast = None
+        torch.cuda.empty_cache()
+
+
+def _room_between(two: int, four: int) -> int:
+    # The two-row half needs `two`, the whole batch `four`; room halfway between, if the two
+    # differ enough to leave the allocator's rounding (2 MiB blocks, 20 MiB segments) a margin.
+    assert four - two > 256 << 20, f"peaks too close to part: {two} / {four} bytes"
+    return (two + four) // 2
+
+
+def long_flow_requests() -> list[FlowRequest]:
+    rng = np.random.default_rng(3)
+    out = []
+    for i in range(4):
+        n_p = 75 + 5 * i
+        voice = Voice(
+            torch.from_numpy(rng.integers(0, 6561, n_p)),
+            torch.from_numpy(rng.normal(size=(2 * n_p, 80)).astype(np.float32)),
+            torch.from_numpy(rng.normal(size=192).astype(np.float32)),
+        )
+        tokens = torch.from_numpy(rng.integers(0, 6561, 700 + 20 * i))
+        out.append(FlowRequest(voice, tokens, 0, True, False))
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_real_oom_splits_a_flow_batch_and_a_lone_row_fails_alone():
+    from flow_service.contain import execute_contained
+    from flow_service.runner import FlowRunner
+
+    model = load_flow(None, device="cuda", preset="cosyvoice3-0.5b")
+    runner = FlowRunner(model, cuda_graphs=False)
+    requests = long_flow_requests()
+    reference: list = []
+    one = _peak_bytes(lambda: runner.execute(requests[:1]))
+    two = _peak_bytes(lambda: runner.execute(requests[:2]))
+    four = _peak_bytes(lambda: reference.extend(runner.execute(requests)[0]))
+    kinds: list[str] = []
+    with _Ballast(_room_between(two, four)):
+        got, _, _ = execute_contained(runner, requests, count=kinds.append)
+    assert kinds == ["oom_split"]
+    for mel, ref in zip(got, reference, strict=True):
+        assert isinstance(mel, torch.Tensor), mel
+        assert (mel - ref).abs().max() <= 1e-4 * ref.abs().max()
+    kinds.clear()
+    with _Ballast(one // 2):
+        got, _, _ = execute_contained(runner, requests[:1], count=kinds.append)
+    assert kinds == ["oom_row"] and isinstance(got[0], RowOutOfMemory)
+    after, _, _ = runner.execute(requests[:1])  # the replica serves on
+    assert (after[0] - reference[0]).abs().max() <= 1e-4 * reference[0].abs().max()
+
+
+@pytest.mark.gpu
+def test_gpu_real_oom_splits_a_vocoder_batch():
+    runner = HiFTRunner(load_hift(None, device="cuda", preset="cosyvoice3-0.5b"), "cuda")
+    rng = np.random.default_rng(5)
+    chunks = [rng.normal(-5.0, 2.0, (80, 1500 + 50 * i)).astype(np.float32) for i in range(4)]
+    final = [True] * 4
+
+    def run(n: int):
+        return runner.execute([runner.new_state() for _ in range(n)], chunks[:n], final[:n])
+
+    two = _peak_bytes(lambda: run(2))
+    reference = []
+    four = _peak_bytes(lambda: reference.append(run(4)))
+    splits = metric("t2w_vocoder_gpu_faults_total", kind="oom_split")
+    with _Ballast(_room_between(two, four)):
+        out = run(4)
+    assert out.errors == [None] * 4
+    assert metric("t2w_vocoder_gpu_faults_total", kind="oom_split") >= splits + 1
+    for got, want in zip(out.audio, reference[0].audio, strict=True):
+        assert got.shape == want.shape and got.size > 0
+        assert np.abs(got - want).max() <= 1e-4
