@@ -144,10 +144,10 @@ class FlowRunner:
 
     def graphed(self, requests: list[FlowRequest], plan: PrefixPlan | None = None) -> bool:
         """Whether this batch replays CUDA graphs (else it runs eagerly). Its work per row is
-        the frames it computes, plus half its cached prefix when `plan` reads one: a prefix
-        graph moves each cached frame's keys/values twice per layer where the eager solve
-        moves them once, and with that weight the bound falls where the two measured alike
-        (docs/DESIGN.md "Graphed batches read and write it too")."""
+        the frames it computes, plus half its cached prefix when `plan` reads one: the weight
+        with which the bound fell where graphed and eager prefix solves measured alike
+        (docs/DESIGN.md "Graphed batches read and write it too"). A prefix solve whose query
+        blocks would not fit the cache's scratch runs eagerly."""
         if plan is None or self.prefix_graphs is None:
             longest = max(req.num_seq_frames for req in requests)
         else:
@@ -155,6 +155,13 @@ class FlowRunner:
                 req.num_seq_frames - row.prefix // 2
                 for req, row in zip(requests, plan.rows, strict=True)
             )
+            queries = max(
+                req.num_seq_frames - row.prefix
+                for req, row in zip(requests, plan.rows, strict=True)
+            )
+            query_blocks = graph_rows(len(requests)) * -(-queries // plan.cache.block)
+            if plan.active and query_blocks > plan.cache.scratch_query_blocks:
+                return False
         return self.graphs is not None and graph_fits(
             len(requests), longest, self.graph_max_batch, self.graph_max_frames
         )

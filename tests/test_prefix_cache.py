@@ -314,7 +314,7 @@ def test_engine_runs_a_streams_chunks_in_order_so_they_hit(model):
 @pytest.mark.parametrize("prefix_multiple", [50, 200])
 def test_indexed_solve_equals_the_assembled_one(model, prefix_multiple):
     """The graphs' layout (`PrefixStep`: K/V moved by index, [padded prefix | queries], the
-    zero and trash blocks), run eagerly here, gives the mel of the eager `_KVAssembler` solve
+    zero block and the scratch), run eagerly here, gives the mel of the eager `_KVAssembler` solve
     and of recomputation, and the cache the same entries: uniform batches of one call index,
     a batch mixing a hit, a first chunk and a final call, and one row twice."""
     from flow_service.model.prefix_cache import PrefixStep
@@ -334,8 +334,9 @@ def test_indexed_solve_equals_the_assembled_one(model, prefix_multiple):
         assert_close(got, reference(model, batch))
     assert indexed.stats == assembled.stats and indexed.stats["hits"] >= 6
     assert indexed.used_blocks == assembled.used_blocks
-    # the zero block stayed zero: stores of nothing went to the trash block
+    # the zero block stayed zero: stores of nothing went to the scratch blocks
     assert not indexed.pool()[:, :, :, indexed.zero_block].any()
+    assert indexed.pool()[:, :, :, indexed.zero_block + 1 :].any()
 
 
 def test_padded_rows_read_their_model_row_and_store_nothing(model):
@@ -545,8 +546,8 @@ def test_graph_max_frames_flag():
 
 def test_indexed_kv_ops_per_layer(model, monkeypatch):
     """What a prefix graph runs per layer and step to move keys/values (each op a kernel on a
-    GPU, and the per-step kernel count is what bounds a small graphed solve): one gather of the
-    prefix, three copies into [prefix | queries], one copy and one scatter for the stored blocks.
+    GPU, and the per-step kernel count is what bounds a small graphed solve): the queries'
+    keys and values stored by block (two scatters), then one gather of [prefix | queries].
     The pool rows come in precomputed: no index arithmetic per layer."""
     import flow_service.model.prefix_cache as pc
 
@@ -558,6 +559,47 @@ def test_indexed_kv_ops_per_layer(model, monkeypatch):
     with Count():
         model.generate([s[1] for s in streams], prefix_cache=cache, prefix_step=step)
     assert cache.stats["hits"] == 2
-    per_step = {"new_empty": 1, "index_select": 1, "copy_": 3, "reshape": 1, "index_copy_": 1}
+    per_step = {"index_copy_": 2, "index_select": 1}
     want = {name: n * cache.num_steps * cache.depth for name, n in per_step.items()}
     assert dict(ops) == want, dict(ops)
+
+
+def test_indexed_kv_takes_strided_keys_and_bounds_its_scratch(model):
+    """Keys/values that are column slices of one projection (a fused q/k/v GEMM's output)
+    move as contiguous ones do; a solve storing nothing of more query blocks than the scratch
+    holds is refused, and the runner runs such a batch eagerly instead."""
+    from flow_service.model.prefix_cache import IndexedKV
+    from flow_service.runner import FlowRunner
+
+    cache = new_cache(model)
+    blk, d, b = cache.block, cache.dim, 2
+    read = torch.tensor([[0, cache.zero_block], [1, 2]])
+    store = torch.tensor([[3, -1], [-1, -1]])
+    qkv = torch.randn(2 * b, 2 * blk, 3 * d)
+    got = []
+    for k, v in (
+        (qkv[..., d : 2 * d], qkv[..., 2 * d :]),
+        (qkv[..., d : 2 * d].clone(), qkv[..., 2 * d :].clone()),
+    ):
+        pool = cache.pool()
+        pool[:, :, :, :3] = 1.0
+        gather, _, stored, _ = IndexedKV.pool_rows(cache, read, store)
+        got.append(IndexedKV(pool, gather, stored).layer(1)(k, v))
+    for a, c in zip(got[0], got[1]):
+        assert torch.equal(a, c)
+    assert torch.equal(got[0][0][:, 2 * blk :], qkv[..., d : 2 * d])  # queries read back
+    assert torch.equal(got[0][1][:b, :blk], torch.ones(b, blk, d))  # row 0's cached block 0
+
+    too_many = torch.full((cache.scratch_query_blocks + 1, 1), -1)
+    with pytest.raises(ValueError, match="past the scratch"):
+        IndexedKV.pool_rows(cache, torch.zeros_like(too_many), too_many)
+
+    runner = FlowRunner(model, cache, cuda_graphs=False)
+    runner.graphs = runner.prefix_graphs = object()  # graph bookkeeping only: nothing replays
+    streams = [stream_calls(make_voice(80, 35), "s0", 230, seed=160)]
+    model.generate([streams[0][0]], prefix_cache=cache)
+    plan = cache.plan([streams[0][1]])
+    assert plan.active and runner.graphed([streams[0][1]], plan)
+    cache.scratch_query_blocks = 0
+    assert not runner.graphed([streams[0][1]], plan)
+    cache.release(plan)

@@ -14,9 +14,10 @@ mismatch is a miss, and a miss recomputes the same mel.
 Storage: one pool tensor of fixed-size blocks (one 50-frame attention block: steps x layers x
 {K, V} x {cond, uncond} x 50 x d in the compute dtype), allocated at first use, with per-block
 reference counts. One tensor, not several, because a CUDA graph bakes in the addresses it reads
-and writes: graphed solves gather and store blocks by index into it (`IndexedKV`). Two blocks
+and writes: graphed solves gather and store blocks by index into it (`IndexedKV`). Blocks
 past the budget are never handed out: a zero block that index reads of absent prefix blocks
-take (masked keys must still be finite), and a trash block that stores of nothing go to.
+take (masked keys must still be finite), and scratch blocks for the query blocks a graphed
+solve stores nothing of (`IndexedKV` reads every query block back from the pool).
 Entries (LRU) list their blocks; a voice entry holds the blocks made only of prompt frames and
 shares them with the streams of that voice. Per entry it also keeps the Euler state x of every
 cached frame at every step (c channels, ~0.1 % of the K/V bytes): the conv position embedding
@@ -149,7 +150,9 @@ class PrefixCache:
         self.block_bytes = num_steps * depth * 2 * 2 * block_frames * dim * item
         self.frame_x_bytes = num_steps * mel_dim * item
         self.capacity = budget_bytes // self.block_bytes  # blocks handed out
-        self.zero_block, self.trash_block = self.capacity, self.capacity + 1
+        self.zero_block = self.capacity
+        self.scratch_blocks = -(-SCRATCH_QUERY_BLOCKS // (num_steps * depth))
+        self.scratch_query_blocks = self.scratch_blocks * num_steps * depth
         self._pool: torch.Tensor | None = None
         # min-heap, lowest id first: a row's blocks, and the rows of a batch, get consecutive
         # ids, which the eager solve then moves with one strided copy per run
@@ -204,9 +207,10 @@ class PrefixCache:
 
     # -- blocks --------------------------------------------------------------------------------
     def pool(self) -> torch.Tensor:
-        """(steps, layers, {K, V}, capacity + 2 blocks, {cond, uncond}, block, d)."""
+        """(steps, layers, {K, V}, capacity + 1 + scratch blocks, {cond, uncond}, block, d)."""
         if self._pool is None:
-            shape = (self.num_steps, self.depth, 2, self.capacity + 2, 2, self.block, self.dim)
+            num = self.capacity + 1 + self.scratch_blocks
+            shape = (self.num_steps, self.depth, 2, num, 2, self.block, self.dim)
             # uninitialised: a block is fully written before it is read, but for the zero block
             self._pool = torch.empty(shape, dtype=self.dtype, device=self.device)
             self._pool[:, :, :, self.zero_block].zero_()
@@ -411,6 +415,11 @@ class PrefixCache:
 # layer's K and V = 2 r t d x dtype size); e.g. 64 rows x 506 frames, bf16, d 1024: 265 MB a
 # layer, 8 layers a group (2.1 GB), where one layer (265 MB) was used before.
 KV_BUFFER_BYTES = 2 << 30
+# Scratch for the query blocks of one graphed solve (padded rows x query blocks) that are not
+# stored: every (step, layer) slice of a scratch block holds one, reused by every layer and
+# step. graph_max_frames (12288) keeps a graphed batch of the default runner near 620; a solve
+# that would need more runs eagerly (FlowRunner.graphed).
+SCRATCH_QUERY_BLOCKS = 640
 SLICE_RUNS = 2  # new frames: up to this many slice copies per layer, else one index copy
 
 
@@ -602,48 +611,65 @@ class IndexedKV:
 
     Keys are laid out as [P prefix frames | Q query frames] per row, not at absolute positions:
     column p < P is the row's cached frame p (the zero block past its prefix), column P + j its
-    query j (frame prefix + j). `window_bias` masks by that layout. The new complete blocks of
-    the query frames (Q is a whole number of blocks) go to `store_blocks` (the trash block
-    where a row stores nothing)."""
+    query j (frame prefix + j). `window_bias` masks by that layout. Per layer the query frames'
+    keys and values are stored first, by whole blocks (Q is a whole number of blocks), into
+    the row's new blocks or into scratch where the row stores nothing; then one gather reads
+    [prefix | queries] of every row back from the pool. That is three kernels a layer, and a
+    cached frame's keys/values move once, as in the eager solve, not gathered and then copied
+    into place."""
 
-    def __init__(self, pool, read_rows, store_rows):
-        # pool (steps, L, 2, N, 2, blk, d) as rows of (2, blk, d): row ((s L + l) 2 + kv) N + n
-        self.rows = pool.view(-1, *pool.shape[4:])
-        # pool rows of the current step (`pool_rows`), computed outside: no index arithmetic
-        # in the graph
-        self.read_rows = read_rows  # (L, {K, V}, b, P / blk) long
-        self.store_rows = store_rows  # (L, {K, V}, b, Q / blk) long
-
-    @staticmethod
-    def pool_rows(cache: PrefixCache, blocks: torch.Tensor) -> torch.Tensor:
-        """(L, {K, V}, b, n) pool rows of block ids `blocks` (b, n) at solver step 0; step s
-        adds s x `step_rows(cache)`."""
-        num = cache.capacity + 2
-        layer_kv = torch.arange(2 * cache.depth, device=blocks.device).view(cache.depth, 2)
-        return layer_kv[..., None, None] * num + blocks
+    def __init__(self, pool, gather_rows, store_rows):
+        # pool (steps, L, 2, N, 2, blk, d) as rows of (blk, d): row (((s L + l) 2 + kv) N + n) 2
+        # + cfg; the rows of the current step are computed outside (`pool_rows`): no index
+        # arithmetic in the graph
+        self.rows = pool.view(-1, *pool.shape[5:])
+        self.gather_rows = gather_rows  # (L, {K, V}, {cond, uncond}, b, (P + Q) / blk) long
+        self.store_rows = store_rows  # (L, {K, V}, {cond, uncond}, b, Q / blk) long
 
     @staticmethod
-    def step_rows(cache: PrefixCache) -> int:
-        return cache.depth * 2 * (cache.capacity + 2)
+    def pool_rows(
+        cache: PrefixCache, read: torch.Tensor, store: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For a solve reading block ids `read` (b, n_p) and storing the query blocks into
+        block ids `store` (b, n_q; -1: store nothing): (gather rows, their move per step,
+        store rows, their move per step); step s uses rows + s x move. Query blocks stored
+        nothing of go to scratch rows, the same at every layer and step."""
+        dev, depth = read.device, cache.depth
+        num = cache.capacity + 1 + cache.scratch_blocks
+        step_rows = depth * 2 * num * 2
+        kv = torch.arange(2, device=dev).view(2, 1, 1, 1)
+        cfg = torch.arange(2, device=dev).view(1, 2, 1, 1)
+
+        def rows(layer_kv: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+            return (layer_kv * num + blocks) * 2 + cfg
+
+        layer_kv = torch.arange(depth, device=dev).view(depth, 1, 1, 1, 1) * 2 + kv
+        nothing = store < 0
+        if int(nothing.sum()) > cache.scratch_query_blocks:
+            raise ValueError(
+                f"{int(nothing.sum())} query blocks stored nothing of, past the scratch's "
+                f"{cache.scratch_query_blocks}"
+            )
+        m = (nothing.flatten().cumsum(0) - 1).view_as(store)  # scratch slot per block
+        per_block = cache.num_steps * depth  # (step, layer) slices of one scratch block
+        scratch = rows(m % per_block * 2 + kv, cache.capacity + 1 + m // per_block)
+        store_rows = torch.where(nothing, scratch, rows(layer_kv, store.clamp(min=0)))
+        store_step = torch.where(nothing, 0, step_rows).expand_as(store_rows)
+        read_rows = rows(layer_kv, read)
+        gather_rows = torch.cat((read_rows, store_rows), dim=-1)
+        gather_step = torch.cat((torch.full_like(read_rows, step_rows), store_step), dim=-1)
+        return gather_rows, gather_step, store_rows, store_step.contiguous()
 
     def layer(self, index: int) -> Callable:
         return lambda k, v: self._assemble(index, k, v)
 
     def _assemble(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        r, q, d = k.shape
-        _, b, n_p = self.read_rows.shape[1:]
-        blk = self.rows.shape[2]
-        p = n_p * blk
-        out = k.new_empty(2, r, p + q, d)  # K, V
-        prefix = self.rows.index_select(0, self.read_rows[layer].flatten())
-        prefix = prefix.view(2, b, n_p, 2, blk, d).permute(0, 3, 1, 2, 4, 5)  # K/V, cfg, b, ...
-        out[:, :, :p].view(2, 2, b, n_p, blk, d).copy_(prefix)
-        out[0, :, p:].copy_(k)
-        out[1, :, p:].copy_(v)
-        n_q = q // blk
-        new = out[:, :, p:].view(2, 2, b, n_q, blk, d).permute(0, 2, 3, 1, 4, 5)
-        self.rows.index_copy_(0, self.store_rows[layer].flatten(), new.reshape(-1, 2, blk, d))
-        return out[0], out[1]
+        r, _, d = k.shape
+        blk = self.rows.shape[1]
+        self.rows.index_copy_(0, self.store_rows[layer, 0].flatten(), k.view(-1, blk, d))
+        self.rows.index_copy_(0, self.store_rows[layer, 1].flatten(), v.view(-1, blk, d))
+        kv = self.rows.index_select(0, self.gather_rows[layer].flatten()).view(2, r, -1, d)
+        return kv[0], kv[1]
 
 
 class PrefixStep:
@@ -662,7 +688,7 @@ class PrefixStep:
     def example_args(self, num_rows: int, prefix: int, queries: int) -> list[torch.Tensor]:
         """Inputs of the shape a solve of `num_rows` requests, prefixes padded to `prefix`
         frames and `queries` query frames gives, to capture its graph before serving: they read
-        the zero block and store into the trash block."""
+        the zero block and store nothing (into scratch)."""
         cache, dit = self.cache, self.dit
         dev, dtype = cache.device, cache.dtype
         r, w, c = 2 * num_rows, self.context + queries, dit.cfg.mel_dim
@@ -682,16 +708,15 @@ class PrefixStep:
             torch.ones(r, w, 1, dtype=dtype, device=dev),
             cos,
             sin,
-            IndexedKV.pool_rows(
-                cache, torch.full((num_rows, blocks[0]), cache.zero_block, device=dev)
-            ),
-            IndexedKV.pool_rows(
-                cache, torch.full((num_rows, blocks[1]), cache.trash_block, device=dev)
-            ),
+            *IndexedKV.pool_rows(
+                cache,
+                torch.full((num_rows, blocks[0]), cache.zero_block, device=dev),
+                torch.full((num_rows, blocks[1]), -1, device=dev),
+            )[::2],
         ]
 
-    def __call__(self, x, mu, cond, spks, tau, bias, frame_mask, keep, cos, sin, read, store):
-        kv = IndexedKV(self.cache.pool(), read, store)
+    def __call__(self, x, mu, cond, spks, tau, bias, frame_mask, keep, cos, sin, gather, store):
+        kv = IndexedKV(self.cache.pool(), gather, store)
         ctx = DiTPrefix(self.context, keep, (cos, sin), kv)
         return self.dit(x, mu, cond, spks, tau, bias, frame_mask, prefix=ctx)
 
@@ -785,13 +810,13 @@ def solve_with_prefix(
         )
         n_p, n_q = p_max // cache.block, q_max // cache.block
         read = torch.full((b, n_p), cache.zero_block, dtype=torch.long)
-        store = torch.full((b, n_q), cache.trash_block, dtype=torch.long)
+        store = torch.full((b, n_q), -1, dtype=torch.long)
         for i, row in enumerate(plan.rows):
             read[i, : len(row.read)] = torch.tensor(row.read, dtype=torch.long)
             store[i, : len(row.new)] = torch.tensor(row.new, dtype=torch.long)
-        read = IndexedKV.pool_rows(cache, read.to(dev))
-        store = IndexedKV.pool_rows(cache, store.to(dev))
-        step_rows = IndexedKV.step_rows(cache)
+        gather, gather_step, store, store_step = IndexedKV.pool_rows(
+            cache, read.to(dev), store.to(dev)
+        )
     mu_in = torch.cat((mu_w, torch.zeros_like(mu_w)))
     cond_in = torch.cat((cond_w, torch.zeros_like(cond_w)))
     spks_in = torch.cat((spks, torch.zeros_like(spks)))
@@ -806,7 +831,7 @@ def solve_with_prefix(
         if step is None:
             kv.step = k
             return dit(x_in, mu_in, cond_in, spks_in, t_in, bias, frame_mask, prefix=ctx)
-        args = (keep, cos, sin, read + k * step_rows, store + k * step_rows)
+        args = (keep, cos, sin, gather + k * gather_step, store + k * store_step)
         return step(x_in, mu_in, cond_in, spks_in, t_in, bias, frame_mask, *args)
 
     x = euler_cfg(x, dec.steps, dec.cfg_rate, velocity, between_steps)
