@@ -168,6 +168,11 @@ def profile_prefix(argv: list[str] | None = None) -> int:
         help="the calls: upstream's chunks (hops 25/50/100 tokens) or one per 25-token block",
     )
     p.add_argument(
+        "--modes",
+        default="no cache,cache,graphed,graphs+cache",
+        help="which of the four ways to time, comma-separated (the graphed two on CUDA only)",
+    )
+    p.add_argument(
         "--fused-norms",
         type=lambda v: v.lower() in ("1", "true", "yes", "on"),
         default=True,
@@ -175,6 +180,10 @@ def profile_prefix(argv: list[str] | None = None) -> int:
     )
     a = parts.parse(p, argv)
     dtype = parts.one_dtype(p, a)
+    wanted = a.modes.split(",")
+    ways = ("no cache", "cache", "graphed", "graphs+cache")
+    if unknown := sorted(set(wanted) - set(ways)):
+        p.error(f"--modes: unknown {', '.join(unknown)} (choose from {', '.join(ways)})")
     parts.cpu_threads(a.device)
     cuda = torch.device(a.device).type == "cuda"
     kernels = DiTKernels(fused_norms=a.fused_norms and cuda)
@@ -212,6 +221,7 @@ def profile_prefix(argv: list[str] | None = None) -> int:
     modes = [("no cache", 0, False), ("cache", a.cache_mb, False)]
     if cuda:
         modes += [("graphed", 0, True), ("graphs+cache", a.cache_mb, True)]
+    modes = [m for m in modes if m[0] in wanted]
     record: dict = {"frames": frames, "schedule": a.schedule, "dtype": dtype, "ms": {}}
     for label, mb, graphs in modes:
         generate, cache = make(mb, graphs)
