@@ -59,7 +59,7 @@ from bench.soak import (
     scrape,
     worker_targets,
 )
-from bench.stack import REPO_ROOT, StackConfig, free_port
+from bench.stack import REPO_ROOT, StackConfig, StackError, free_port
 from gateway.client import AsyncClient
 from token2wav.healthcheck import check
 
@@ -75,6 +75,8 @@ COMPOSE_DRAIN = {
     "vocoder": ("--drain-delay", "2", "--grace-period", "310"),
     "gateway": ("--drain-delay", "2", "--grace-period", "310"),
 }
+# ... and its stop_grace_period: past it a process is SIGKILLed, as Docker does.
+STOP_GRACE_S = {"flow": 40.0, "vocoder": 320.0, "gateway": 320.0}
 ENDED_BY_CLIENT = {"OK", "CANCELLED_BY_CLIENT"}
 
 
@@ -470,7 +472,7 @@ class ProcessReplicas:
         proc = self.stack.procs[name]
         proc.send_signal(signal.SIGTERM)
         try:
-            return proc.wait(320)  # compose's stop_grace_period for gateway and vocoder
+            return proc.wait(STOP_GRACE_S[kind])
         except subprocess.TimeoutExpired:
             proc.kill()
             return proc.wait()
@@ -789,4 +791,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="t2w-rolling-")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    return asyncio.run(rolling(args, argv))
+    try:
+        return asyncio.run(rolling(args, argv))
+    except (RuntimeError, StackError) as exc:  # a stack that would not start: say why, briefly
+        print(f"bench rolling: {exc}", file=sys.stderr)
+        return 2

