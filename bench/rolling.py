@@ -202,20 +202,27 @@ def failed_streams(logs: list[StreamLog]) -> list[StreamLog]:
     return [log for log in logs if log.end is not None and log.outcome not in ENDED_BY_CLIENT]
 
 
+def period(logs: list[StreamLog], window: tuple[float, float]) -> dict:
+    """What happened in `window`: streams that ended in it (and failed), that resumed in it
+    (and had audio before), and the longest chunk gap that ended in it."""
+    streams_resumed, after_audio = resumed(logs, window)
+    return {
+        "window_s": [round(window[0], 2), round(window[1], 2)],
+        "streams_ended": sum(log.end is not None and _inside(log.end, window) for log in logs),
+        "failed": sum(_inside(log.end, window) for log in failed_streams(logs)),
+        "resumed": streams_resumed,
+        "resumed_after_audio": after_audio,
+        "max_gap_s": max_gap(logs, window),
+    }
+
+
 def replacement_rows(
     logs: list[StreamLog], events: list[dict], baseline: tuple[float, float], run_end: float
 ) -> tuple[dict, list[dict]]:
     """The baseline window's figures, and one row per replacement event (t_stop, t_exit,
     t_serving: seconds since the load began, t_serving None when it never came; kind,
-    replaced, new, exit_status, held)."""
-    base = {
-        "window_s": [round(baseline[0], 2), round(baseline[1], 2)],
-        "streams_ended": sum(log.end is not None and _inside(log.end, baseline) for log in logs),
-        "failed": sum(_inside(log.end, baseline) for log in failed_streams(logs)),
-        "resumed": resumed(logs, baseline)[0],
-        "resumed_after_audio": resumed(logs, baseline)[1],
-        "max_gap_s": max_gap(logs, baseline),
-    }
+    replaced, new, exit_status, held). The last window runs to `run_end`: take it once every
+    stream has ended, so that one failing as the load winds down is booked too."""
     rows = []
     for e, w in zip(events, windows(events, run_end), strict=True):
         serving = e["t_serving"]
@@ -229,14 +236,10 @@ def replacement_rows(
                 "away_s": None if serving is None else round(serving - e["t_stop"], 2),
                 "in_flight": in_flight(logs, e["t_stop"]),
                 "held": e["held"],
-                "failed": sum(_inside(log.end, w) for log in failed_streams(logs)),
-                "resumed": resumed(logs, w)[0],
-                "resumed_after_audio": resumed(logs, w)[1],
-                "max_gap_s": max_gap(logs, w),
-                "window_s": [round(w[0], 2), round(w[1], 2)],
+                **period(logs, w),
             }
         )
-    return base, rows
+    return period(logs, baseline), rows
 
 
 def missed_bars(overall: dict, rows: list[dict]) -> list[str]:
@@ -257,7 +260,8 @@ def _cell(v, fmt: str = "{}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-def table(base: dict, rows: list[dict], overall: dict) -> str:
+def table(base: dict, rows: list[dict], overall: dict, warmup: dict | None = None) -> str:
+    """The replacements beside the baseline (and the warm-up, whose failures count too)."""
     lines = [
         f"rolling update: {overall['streams']} streams over {overall['seconds']:.0f} s "
         f"({overall['backend']})",
@@ -265,10 +269,14 @@ def table(base: dict, rows: list[dict], overall: dict) -> str:
         "| # | kind | replaced -> new | drain s | away s | in flight (on it) | failed "
         "| resumed (after audio) | max chunk gap s |",
         "|---|---|---|---|---|---|---|---|---|",
-        f"| - | baseline, {base['window_s'][1] - base['window_s'][0]:.0f} s | | | | | "
-        f"{base['failed']} | {base['resumed']} ({base['resumed_after_audio']}) | "
-        f"{_cell(base['max_gap_s'])} |",
     ]
+    for name, p in (("warm-up", warmup), ("baseline", base)):
+        if p is not None:
+            lines.append(
+                f"| - | {name}, {p['window_s'][1] - p['window_s'][0]:.0f} s | | | | | "
+                f"{p['failed']} | {p['resumed']} ({p['resumed_after_audio']}) | "
+                f"{_cell(p['max_gap_s'])} |"
+            )
     for i, r in enumerate(rows, 1):
         held = "" if r["held"] is None else f" ({r['held']:g})"
         status = "" if r["exit_status"] in (0, None) else f" (exit {r['exit_status']})"
@@ -613,15 +621,15 @@ async def rolling(args, argv: list[str]) -> int:
             events = await replacements(replicas, args, clock, tally, logs)
         finally:
             stop.set()
-            run_end = clock()
-            await clients  # the streams open at the end run to their end
+            await clients  # the streams open now run to their end
+        run_end = clock()
     finally:
         await asyncio.to_thread(replicas.close)
-    seconds = clock()
     base, rows = replacement_rows(logs, events, baseline, run_end)
-    summary = overall(tally, logs, seconds, replicas.backend, args.atol)
+    warmup = period(logs, (0.0, baseline[0]))
+    summary = overall(tally, logs, run_end, replicas.backend, args.atol)
     missed = missed_bars(summary, rows)
-    print(table(base, rows, summary))
+    print(table(base, rows, summary, warmup))
     print(f"\nservice logs: {args.log_dir}")
     data = {
         "command": "python -m bench rolling " + " ".join(argv),
@@ -632,6 +640,7 @@ async def rolling(args, argv: list[str]) -> int:
             "python": platform.python_version(),
         },
         "settings": {k: v for k, v in vars(args).items() if k not in ("out_dir", "log_dir")},
+        "warmup": warmup,
         "baseline": base,
         "replacements": rows,
         "overall": summary,

@@ -112,6 +112,23 @@ def test_in_flight_counts_streams_open_at_the_instant():
     assert [rolling.in_flight(logs, t) for t in (0.0, 4.5, 5.0, 6.5, 9.0)] == [1, 2, 2, 2, 1]
 
 
+CLEAN_SUMMARY = {
+    "backend": "compose",
+    "seconds": 40.0,
+    "streams": 1,
+    "ok": 1,
+    "failed": 0,
+    "outcomes": {"OK": 1},
+    "resumes": 0,
+    "resumed_streams": 0,
+    "samples_lost": 0,
+    "samples_duplicated": 0,
+    "audio_mismatch": 0,
+    "max_abs_diff": 0.0,
+    "atol": 1e-4,
+}
+
+
 def test_the_table_shows_every_replacement_and_dashes_for_what_is_missing():
     base, rows = rolling.replacement_rows(
         [log(1.0, [1.0, 2.0], 3.0)],
@@ -119,22 +136,7 @@ def test_the_table_shows_every_replacement_and_dashes_for_what_is_missing():
         (0.0, 4.0),
         run_end=40.0,
     )
-    summary = {
-        "backend": "compose",
-        "seconds": 40.0,
-        "streams": 1,
-        "ok": 1,
-        "failed": 0,
-        "outcomes": {"OK": 1},
-        "resumes": 0,
-        "resumed_streams": 0,
-        "samples_lost": 0,
-        "samples_duplicated": 0,
-        "audio_mismatch": 0,
-        "max_abs_diff": 0.0,
-        "atol": 1e-4,
-    }
-    text = rolling.table(base, rows, summary)
+    text = rolling.table(base, rows, CLEAN_SUMMARY)
     assert "| - | baseline, 4 s | | | | | 0 | 0 (0) | 1.0 |" in text
     assert "| 1 | gateway | x-1 -> x-3 | 4.0 (exit 137) | 15.0 | 0 (3) | 0 | 0 (0) | - |" in text
     assert "| 2 | vocoder | x-1 -> x-3 | 1.0 | - | 0 | 0 | 0 (0) | - |" in text
@@ -306,3 +308,21 @@ def test_a_stack_that_cannot_start_is_one_line_and_status_2(monkeypatch, tmp_pat
     assert rolling.main(["--log-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "bench rolling: no Compose v2" in err and "Traceback" not in err
+
+
+def test_warm_up_baseline_and_windows_book_every_failure_once():
+    """With run_end taken after the last stream ended, a failure anywhere (the warm-up, the
+    baseline, a window, the wind-down after the last replacement) is booked exactly once."""
+    events = [event("gateway", 30.0, 31.0, 35.0), event("vocoder", 50.0, 51.0, 56.0)]
+    ends = [5.0, 19.9, 20.0, 29.9, 30.0, 49.0, 50.0, 70.0, 88.9]  # 88.9: after the load stopped
+    logs = [log(e - 3.0, [e - 2.0], e, outcome="ABORTED") for e in ends]
+    logs.append(log(1.0, [2.0], 88.0))  # and an OK one
+    run_end = 89.0
+    base, rows = rolling.replacement_rows(logs, events, (20.0, 30.0), run_end)
+    warmup = rolling.period(logs, (0.0, 20.0))
+    assert (warmup["failed"], base["failed"], [r["failed"] for r in rows]) == (2, 2, [2, 3])
+    assert warmup["failed"] + base["failed"] + sum(r["failed"] for r in rows) == len(ends)
+    assert warmup["streams_ended"] + base["streams_ended"] == 4
+    text = rolling.table(base, rows, {**CLEAN_SUMMARY, "failed": len(ends)}, warmup)
+    assert "| - | warm-up, 20 s | | | | | 2 | 0 (0) | - |" in text
+    assert "| - | baseline, 10 s | | | | | 2 | 0 (0) | - |" in text
