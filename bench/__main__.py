@@ -175,6 +175,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "gateway-overhead": ("bench.gateway_overhead", "what the gateway adds when models are free"),
     "simulate": ("bench.simulate", "discrete-event simulation of the scheduling, no GPU"),
     "soak": ("bench.soak", "bounded fault-injecting soak of the whole stack"),
+    "rolling": ("bench.rolling", "what a rolling update of each kind costs the streams on it"),
 }
 
 

@@ -262,10 +262,12 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
-def scrape(port: int, names: list[str]) -> dict[str, float]:
-    """The named gauges from a service's /metrics; {} when it is down."""
+def scrape(port: int | str, names: list[str]) -> dict[str, float]:
+    """The named gauges from a service's /metrics (a loopback port, or "HOST:PORT"); {} when it
+    is down."""
+    addr = port if isinstance(port, str) else f"127.0.0.1:{port}"
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=2) as resp:
             text = resp.read().decode()
     except OSError:
         return {}
