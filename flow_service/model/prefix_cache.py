@@ -583,7 +583,10 @@ class _KVAssembler:
                         dst.copy_(src)
         else:
             for new, flat in zip((k, v), self.flat[i], strict=True):
-                new_flat = _words(new.reshape(-1, new.shape[-1]).contiguous())
+                # (r q, w): a view, also where k and v are column slices of one q/k/v GEMM
+                new_flat = _words(new.flatten(0, 1))
+                if new_flat.dtype != flat.dtype:  # rows not word-aligned: compact them first
+                    new_flat = _words(new.flatten(0, 1).contiguous())
                 flat.index_copy_(0, self.new_dst, new_flat.index_select(0, self.new_src))
         if i == n - 1:
             self._move(self.stores, first, n, store=True)
