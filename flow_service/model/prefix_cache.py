@@ -700,6 +700,10 @@ class PrefixStep:
         bias = window_bias(rows, rows + queries, rows == 0, prefix, queries, cache.block, dtype)
         cos, sin = dit.rotary_embed.tables_at(torch.zeros(r, queries, device=dev))
         blocks = (prefix // cache.block, queries // cache.block)
+        # the pool rows on the host (a few hundred integers, and a count is read back), then
+        # moved: the same on every device, the meta device included (bench profile-batch)
+        read = torch.full((num_rows, blocks[0]), cache.zero_block)
+        moves = IndexedKV.pool_rows(cache, read, torch.full((num_rows, blocks[1]), -1))[::2]
         return [
             window,
             window.clone(),
@@ -711,11 +715,7 @@ class PrefixStep:
             torch.ones(r, w, 1, dtype=dtype, device=dev),
             cos,
             sin,
-            *IndexedKV.pool_rows(
-                cache,
-                torch.full((num_rows, blocks[0]), cache.zero_block, device=dev),
-                torch.full((num_rows, blocks[1]), -1, device=dev),
-            )[::2],
+            *(x.to(dev) for x in moves),
         ]
 
     def __call__(self, x, mu, cond, spks, tau, bias, frame_mask, keep, cos, sin, gather, store):
