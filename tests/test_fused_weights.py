@@ -19,7 +19,6 @@ from test_flow_model import make_voice, ragged_requests, upstream_flow_keys
 from test_prefix_cache import new_cache, stream_calls
 
 from flow_service.model import FlowModel, load_flow
-from flow_service.model.dit import modulate
 from flow_service.model.prefix_cache import PrefixStep
 from flow_service.model.shared_storage import shares_storage
 
@@ -49,6 +48,10 @@ def _linear(x: torch.Tensor, m: torch.nn.Linear) -> torch.Tensor:
     return F.linear(x, m.weight, m.bias)
 
 
+def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.addcmul(shift, x, 1.0 + scale)
+
+
 def _rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotary on one projection (r, t, h e): pairs (2i, 2i+1) of its first e channels, in fp32."""
     rot = x[..., : cos.shape[-1]]
@@ -60,7 +63,7 @@ def _rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 def unfused_velocity(dit, x, mu, cond, spks, tau, bias, frame_mask=None, prefix=None):
     """`DiT.forward` the unfused way, from each linear's own parameters: q, k, v and every
-    AdaLN projection a GEMM of its own, the rotary on q and on k apart."""
+    AdaLN projection a GEMM of its own (and its 1 + scale), the rotary on q and on k apart."""
     d = dit.cfg.dim
     temb_act = F.silu(dit.time_embed(tau))
     if prefix is None:
@@ -75,7 +78,7 @@ def unfused_velocity(dit, x, mu, cond, spks, tau, bias, frame_mask=None, prefix=
             temb_act, layer.attn_norm.linear
         )[:, None, :].chunk(6, dim=-1)
         attn = layer.attn
-        normed = modulate(F.layer_norm(hidden, (d,), eps=layer.eps), shift_a, scale_a)
+        normed = _modulate(F.layer_norm(hidden, (d,), eps=layer.eps), shift_a, scale_a)
         q, k, v = (_linear(normed, m) for m in (attn.to_q, attn.to_k, attn.to_v))
         _rotary_(q, *rope)
         _rotary_(k, *rope)
@@ -87,10 +90,10 @@ def unfused_velocity(dit, x, mu, cond, spks, tau, bias, frame_mask=None, prefix=
         if frame_mask is not None:
             o = o * frame_mask
         hidden = torch.addcmul(hidden, gate_a, o)
-        normed = modulate(F.layer_norm(hidden, (d,), eps=layer.eps), shift_f, scale_f)
+        normed = _modulate(F.layer_norm(hidden, (d,), eps=layer.eps), shift_f, scale_f)
         hidden = torch.addcmul(hidden, gate_f, layer.ff(normed))
     scale, shift = _linear(temb_act, dit.norm_out.linear)[:, None, :].chunk(2, dim=-1)
-    out = modulate(F.layer_norm(hidden, (d,), eps=dit.norm_out.eps), shift, scale)
+    out = _modulate(F.layer_norm(hidden, (d,), eps=dit.norm_out.eps), shift, scale)
     return _linear(out, dit.proj_out)
 
 

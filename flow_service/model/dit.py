@@ -43,8 +43,9 @@ TIME_SCALE = 1000.0  # tau in [0, 1] is stretched before the sinusoid (F5-TTS co
 BIAS_ALIGN = 16  # SDPA's fused kernels want the bias rows 16-element aligned
 
 
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return torch.addcmul(shift, x, 1.0 + scale)
+def modulate(x: torch.Tensor, shift: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+    """x (1 + scale) + shift, with gain = 1 + scale already added (`DiT.modulations`)."""
+    return torch.addcmul(shift, x, gain)
 
 
 def attention_bias(
@@ -106,19 +107,19 @@ def bias_from_allowed(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return bias.masked_fill_(allowed[:, None], 0.0)
 
 
-def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float):
+def norm_modulate(x: torch.Tensor, shift: torch.Tensor, gain: torch.Tensor, eps: float):
     """AdaLN: layer norm without affine, then modulate. (r, t, d) -> (r, t, d)."""
-    return modulate(F.layer_norm(x, (x.shape[-1],), eps=eps), shift, scale)
+    return modulate(F.layer_norm(x, (x.shape[-1],), eps=eps), shift, gain)
 
 
-def residual_norm_modulate(x, gate, y, frame_mask, shift, scale, eps: float):
+def residual_norm_modulate(x, gate, y, frame_mask, shift, gain, eps: float):
     """Between sublayers: x + gate * (y * frame_mask), then its AdaLN for the next sublayer.
     Returns (new residual stream, normed); the same ops, in the same order, as the plain
     layer (where the attention applies the frame mask to its own output)."""
     if frame_mask is not None:
         y = y * frame_mask
     x = torch.addcmul(x, gate, y)
-    return x, norm_modulate(x, shift, scale, eps)
+    return x, norm_modulate(x, shift, gain, eps)
 
 
 # Each function compiled here recompiles a few times at most (per dtype); dynamo's default limit of 8 per function could
@@ -399,20 +400,21 @@ class DiTLayer(nn.Module):
     def forward(
         self, x, mod, rope, attn_bias, frame_mask, kv=None, kernels=PLAIN_KERNELS
     ) -> torch.Tensor:
-        """x (r, t, d); mod (r, 1, 6d): this block's slice of `DiT.modulations`."""
-        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mod.chunk(6, dim=-1)  # (r, 1, d)
+        """x (r, t, d); mod (r, 1, 6d): this block's slice of `DiT.modulations` (gains, not
+        scales: 1 + scale is added there)."""
+        shift_a, gain_a, gate_a, shift_f, gain_f, gate_f = mod.chunk(6, dim=-1)  # (r, 1, d)
         if kernels.fused_norms:
             compiled = kernels.compiled(x)
             first = _fused_norm_modulate if compiled else norm_modulate
             between = _fused_residual_norm_modulate if compiled else residual_norm_modulate
-            normed = first(x, shift_a, scale_a, self.eps)
+            normed = first(x, shift_a, gain_a, self.eps)
             y = self.attn(normed, rope, attn_bias, None, kv)  # frame mask: in `between`
-            x, normed = between(x, gate_a, y, frame_mask, shift_f, scale_f, self.eps)
+            x, normed = between(x, gate_a, y, frame_mask, shift_f, gain_f, self.eps)
             return torch.addcmul(x, gate_f, self.ff(normed))
         d = x.shape[-1]
-        normed = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_a, scale_a)
+        normed = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_a, gain_a)
         x = torch.addcmul(x, gate_a, self.attn(normed, rope, attn_bias, frame_mask, kv))
-        normed = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_f, scale_f)
+        normed = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_f, gain_f)
         return torch.addcmul(x, gate_f, self.ff(normed))
 
 
@@ -426,10 +428,10 @@ class FinalNorm(nn.Module):
         self.linear = nn.Linear(dim, 2 * dim)
 
     def forward(self, x: torch.Tensor, mod: torch.Tensor) -> torch.Tensor:
-        """x (r, t, d); mod (r, 1, 2d), the final slice of `DiT.modulations`. In mod's dtype
-        (x is cast once)."""
-        scale, shift = mod.chunk(2, dim=-1)  # (r, 1, d)
-        return modulate(F.layer_norm(x.to(mod.dtype), (x.shape[-1],), eps=self.eps), shift, scale)
+        """x (r, t, d); mod (r, 1, 2d), the final slice of `DiT.modulations` (its scale
+        already 1 + scale). In mod's dtype (x is cast once)."""
+        gain, shift = mod.chunk(2, dim=-1)  # (r, 1, d)
+        return modulate(F.layer_norm(x.to(mod.dtype), (x.shape[-1],), eps=self.eps), shift, gain)
 
 
 class DiT(SharesStorage):
@@ -464,12 +466,17 @@ class DiT(SharesStorage):
         self, temb_act: torch.Tensor, dtype: torch.dtype
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """SiLU(time embedding) (r, d) -> (each block's (r, 1, 6d) in `dtype`, the residual
-        stream's; the final norm's (r, 1, 2d) in the weights' dtype): one GEMM, views of it."""
+        stream's; the final norm's (r, 1, 2d) in the weights' dtype): one GEMM, views of it,
+        every scale already made the gain 1 + scale (two kernels for all the norms, where
+        each norm added its own; the same sums)."""
+        depth, d = self.cfg.depth, self.cfg.dim
         mods = F.linear(temb_act.to(self.adaln_weight.dtype), self.adaln_weight, self.adaln_bias)
-        mods = mods[:, None, :]  # (r, 1, (6 depth + 2) d)
-        blocks = self.cfg.depth * AdaLayerNormZero.NUM_CHUNKS * self.cfg.dim
-        per_block = mods[..., :blocks].to(dtype).chunk(self.cfg.depth, dim=-1)
-        return list(per_block), mods[..., blocks:]
+        width = depth * AdaLayerNormZero.NUM_CHUNKS * d
+        blocks, final = mods[:, :width].to(dtype), mods[:, width:]  # (r, 6 depth d), (r, 2d)
+        # chunks 1 and 4 of each block's six (shift, scale, gate; shift, scale, gate)
+        blocks.view(-1, depth, 2, 3, d)[:, :, :, 1].add_(1.0)
+        final[:, :d].add_(1.0)  # the final norm's chunks: scale, shift
+        return list(blocks[:, None, :].chunk(depth, dim=-1)), final[:, None, :]
 
     def warm_up_kernels(self) -> None:
         """Compile the enabled kernels now (on CUDA, or on the CPU with `compile_cpu`) for the
@@ -485,12 +492,12 @@ class DiT(SharesStorage):
                 # as the layer calls them: chunks of a block's slice of the modulations, in its
                 # order, distinct x and y
                 mods = self.modulations(torch.zeros(2, d, dtype=dtype, device=device), dtype)[0]
-                shift_a, scale_a, gate_a, shift_f, scale_f, _ = mods[-1].chunk(6, dim=-1)
+                shift_a, gain_a, gate_a, shift_f, gain_f, _ = mods[-1].chunk(6, dim=-1)
                 x = torch.zeros(2, 100, d, dtype=dtype, device=device)
                 y = torch.zeros(2, 100, d, dtype=dtype, device=device)
                 mask = torch.ones(2, 100, 1, dtype=dtype, device=device)
-                _fused_norm_modulate(x, shift_a, scale_a, cfg.norm_eps)
-                _fused_residual_norm_modulate(x, gate_a, y, mask, shift_f, scale_f, cfg.norm_eps)
+                _fused_norm_modulate(x, shift_a, gain_a, cfg.norm_eps)
+                _fused_residual_norm_modulate(x, gate_a, y, mask, shift_f, gain_f, cfg.norm_eps)
 
     def attention_mask(
         self,
