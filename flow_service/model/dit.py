@@ -489,15 +489,17 @@ class DiT(SharesStorage):
             return
         with torch.inference_mode():
             if kernels.fused_norms:
-                # as the layer calls them: chunks of a block's slice of the modulations, in its
-                # order, distinct x and y
+                # as the layers call them: chunks of each block's slice of the modulations, in
+                # its order (dynamo specialises a storage offset of 0, block 0's shift), distinct
+                # x and y
                 mods = self.modulations(torch.zeros(2, d, dtype=dtype, device=device), dtype)[0]
-                shift_a, gain_a, gate_a, shift_f, gain_f, _ = mods[-1].chunk(6, dim=-1)
                 x = torch.zeros(2, 100, d, dtype=dtype, device=device)
                 y = torch.zeros(2, 100, d, dtype=dtype, device=device)
                 mask = torch.ones(2, 100, 1, dtype=dtype, device=device)
-                _fused_norm_modulate(x, shift_a, gain_a, cfg.norm_eps)
-                _fused_residual_norm_modulate(x, gate_a, y, mask, shift_f, gain_f, cfg.norm_eps)
+                for mod in mods:
+                    shift_a, gain_a, gate_a, shift_f, gain_f, _ = mod.chunk(6, dim=-1)
+                    _fused_norm_modulate(x, shift_a, gain_a, cfg.norm_eps)
+                    _fused_residual_norm_modulate(x, gate_a, y, mask, shift_f, gain_f, cfg.norm_eps)
 
     def attention_mask(
         self,
