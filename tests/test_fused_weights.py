@@ -52,8 +52,15 @@ def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torc
     return torch.addcmul(shift, x, 1.0 + scale)
 
 
+def _rotary_tables(dit, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Upstream's interleaved cos, sin (..., e) at positions `pos`, fp32."""
+    freqs = (pos.float()[..., None] * dit.rotary_embed.inv_freq.float()).repeat_interleave(2, -1)
+    return freqs.cos(), freqs.sin()
+
+
 def _rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotary on one projection (r, t, h e): pairs (2i, 2i+1) of its first e channels, in fp32."""
+    """Rotary on one projection (r, t, h e), upstream's way: x cos + rotate_half(x) sin on
+    the first e channels, in fp32, rotate_half(x) = (-x1, x0) per channel pair."""
     rot = x[..., : cos.shape[-1]]
     xf = rot.float()
     pairs = xf.unflatten(-1, (-1, 2))
@@ -68,10 +75,13 @@ def unfused_velocity(dit, x, mu, cond, spks, tau, bias, frame_mask=None, prefix=
     temb_act = F.silu(dit.time_embed(tau))
     if prefix is None:
         hidden = dit.input_embed(x, cond, mu, spks)
-        rope = dit.rotary_embed.tables(x.shape[1])
+        rope = _rotary_tables(dit, torch.arange(x.shape[1]))
     else:
         hidden = dit.input_embed(x, cond, mu, spks, prefix.keep)[:, prefix.context :].contiguous()
-        rope = prefix.rope
+        cos, sin = prefix.rope  # the service's tables: sin signed for its one-pass rotary
+        sin = sin.clone()
+        sin[..., 0::2].neg_()  # back to upstream's sin (an exact negation)
+        rope = cos, sin
     r, t, _ = hidden.shape
     for i, layer in enumerate(dit.transformer_blocks):
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = _linear(
@@ -303,7 +313,8 @@ def test_an_upstream_named_state_dict_loads_into_the_views(model, tmp_path):
 
 # -- what a step launches -----------------------------------------------------------------------
 def test_a_step_runs_one_gemm_per_projection_group_and_no_weight_concat(model):
-    """Per layer: q/k/v, out, FFN in and out (4 GEMMs), one rotary pass; per step: the time MLP
+    """Per layer: q/k/v, out, FFN in and out (4 GEMMs), one rotary pass (its one pair swap, no
+    negation: the sign is in the table); per step: the time MLP
     (2), the input projection, all modulations (1) and the output projection. The only
     concatenations are the time sinusoid and the input features, and the fused weights are
     the same tensors after a solve (a CUDA graph bakes in their addresses)."""
@@ -315,7 +326,7 @@ def test_a_step_runs_one_gemm_per_projection_group_and_no_weight_concat(model):
     for preset, depth in (("small", 3), ("cosyvoice3-0.5b", 22)):
         for name, ops in step_ops(preset, torch.float32, "meta", 1, 100).items():
             assert ops["linear"] == 4 * depth + 5, (preset, name)
-            assert ops["stack"] == ops["neg"] == depth, (preset, name)  # the rotary
+            assert ops["flip"] == depth and ops["neg"] == 0, (preset, name)  # the rotary
             assert ops["cat"] == 2, (preset, name)
 
 

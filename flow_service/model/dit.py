@@ -301,21 +301,26 @@ class RotaryEmbedding(nn.Module):
         return self.tables_at(torch.arange(num_frames, device=self.inv_freq.device))
 
     def tables_at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (..., e) for absolute positions `pos` (any shape, e.g. (r, q) per row)."""
+        """cos, signed sin (..., e) for absolute positions `pos` (any shape, e.g. (r, q) per
+        row): sin is negated on the first channel of each pair, so that `apply_rotary_` needs
+        no negation of its own (x1 (-s) is (-x1) s to the bit)."""
         freqs = pos.float()[..., None] * self.inv_freq.float()  # (..., e/2)
         freqs = freqs.repeat_interleave(2, dim=-1)  # (..., e)
-        return freqs.cos(), freqs.sin()
+        sin = freqs.sin()
+        sin[..., 0::2].neg_()
+        return freqs.cos(), sin
 
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate channel pairs (2i, 2i+1) of the first e channels of each projection stacked in
     x (r, t, n, d) in place: q and k (n = 2) in one pass. cos, sin (t, e) or (r, t, e).
 
-    Applied before the head split, as upstream: only head 0 gets a position signal."""
+    Applied before the head split, as upstream: only head 0 gets a position signal. Upstream's
+    x cos + rotate_half(x) sin, rotate_half(x) = (-x1, x0) per pair, with the sign in the table
+    (`RotaryEmbedding.tables_at`): x cos + (x1, x0) sin_signed."""
     rot = x[..., : cos.shape[-1]]  # (r, t, n, e)
     xf = rot.float()
-    pairs = xf.unflatten(-1, (-1, 2))  # (r, t, n, e/2, 2)
-    swapped = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)  # (r, t, n, e)
+    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (r, t, n, e): (x1, x0) per pair
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (..., t, 1, e): the same for q and k
     rot.copy_(xf * cos + swapped * sin)
 
