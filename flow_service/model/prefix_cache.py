@@ -601,7 +601,7 @@ class DiTPrefix:
 
     context: int
     keep: torch.Tensor  # (r, context + q, 1)
-    rope: tuple[torch.Tensor, torch.Tensor]  # (r, q, e) each
+    rope: tuple[torch.Tensor, torch.Tensor]  # (r, q, e) each: RotaryEmbedding.tables_at
     kv: _KVAssembler
 
     def layer(self, index: int) -> Callable:
