@@ -60,12 +60,12 @@ def _rotary_tables(dit, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotary on one projection (r, t, h e), upstream's way: x cos + rotate_half(x) sin on
-    the first e channels, in fp32, rotate_half(x) = (-x1, x0) per channel pair."""
+    the first e channels, rotate_half(x) = (-x1, x0) per channel pair, promoted to the fp32
+    tables' dtype (fp64 stays fp64), cast back."""
     rot = x[..., : cos.shape[-1]]
-    xf = rot.float()
-    pairs = xf.unflatten(-1, (-1, 2))
+    pairs = rot.unflatten(-1, (-1, 2))
     swapped = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-    rot.copy_(xf * cos + swapped * sin)
+    rot.copy_(rot * cos + swapped * sin)
 
 
 def unfused_velocity(dit, x, mu, cond, spks, tau, bias, frame_mask=None, prefix=None):

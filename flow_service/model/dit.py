@@ -317,12 +317,13 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None
 
     Applied before the head split, as upstream: only head 0 gets a position signal. Upstream's
     x cos + rotate_half(x) sin, rotate_half(x) = (-x1, x0) per pair, with the sign in the table
-    (`RotaryEmbedding.tables_at`): x cos + (x1, x0) sin_signed."""
+    (`RotaryEmbedding.tables_at`): x cos + (x1, x0) sin_signed. As upstream, the products with
+    the fp32 tables promote a bf16 x to fp32 (exactly, no cast kernel of its own); the sum is
+    rounded back into x."""
     rot = x[..., : cos.shape[-1]]  # (r, t, n, e)
-    xf = rot.float()
-    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (r, t, n, e): (x1, x0) per pair
+    swapped = rot.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (r, t, n, e): (x1, x0) per pair
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (..., t, 1, e): the same for q and k
-    rot.copy_(xf * cos + swapped * sin)
+    rot.copy_(rot * cos + swapped * sin)
 
 
 class Attention(SharesStorage):
