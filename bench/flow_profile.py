@@ -4,6 +4,15 @@ r"""Where the flow's time goes, batch by batch, through the service's own engine
     python -m bench profile-prefix --dtype bfloat16 --batch 8,32,64
     python -m bench profile-prefix --dtype bfloat16 --schedule blocks   # 25-token block calls
     python -m bench profile-prefix --smoke                        # CPU, small preset (also batch)
+    python -m bench profile-batch --count-ops --device meta --batch 1 --frames 200   # no GPU
+
+profile-batch --count-ops: instead of timing, the ops (kernel launches on a GPU, views
+excluded) that one solver step dispatches, op by op, counted by a torch dispatch mode: the DiT
+over B requests of F frames (what an eager or graphed solve runs per step) and the prefix
+graphs' step (`PrefixStep`, one block of queries after a cached prefix of F frames rounded
+down to blocks). On `--device meta` it needs no memory and no compute; the count depends on the
+code, not on the hardware (meta and CPU count alike). Plain kernels: on CUDA the fused norms
+replace each layer's norm/modulate/residual ops by compiled kernels.
 
 profile-batch: the torch profiler's operator table of one flow batch: B requests of the
 benchmark workload's longest call (3 s prompt + 10 s utterance, the final full-attention chunk:
@@ -29,16 +38,27 @@ import asyncio
 import gzip
 import shutil
 import statistics
+from collections import Counter
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench import parts
 from bench.flow_model import make_voice
 from bench.workload import TOKEN_RATE
 from flow_service.engine import FlowEngine
-from flow_service.model import VOCAB_SIZE, DiTKernels, FlowRequest, PrefixCache, load_flow
+from flow_service.model import (
+    FLOW_PRESETS,
+    VOCAB_SIZE,
+    DiTKernels,
+    FlowModel,
+    FlowRequest,
+    PrefixCache,
+    load_flow,
+)
+from flow_service.model.prefix_cache import PrefixStep
 from flow_service.runner import FlowRunner
 from flow_service.scheduler import BatchPolicy
 from flow_service.warmup import warmup_batch, warmup_requests
@@ -63,6 +83,77 @@ def _table(prof, acts: list, rows: int, width: int) -> str:
 # -- profile-batch ----------------------------------------------------------------------------
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the ops dispatched under it by name, views excluded (they launch nothing). An op
+    that may alias (under inference mode `to`, `reshape`, `contiguous` are dispatched as such)
+    counts where it copied: its output does not share its input's storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        if not func.is_view or not _same_storage(first, args[0]):
+            self.ops[func.overloadpacket.__name__] += 1
+        return out
+
+
+def _same_storage(a, b) -> bool:
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+def step_ops(
+    preset: str, dtype: torch.dtype, device: str, rows: int, frames: int
+) -> dict[str, Counter]:
+    """The ops of one solver step (see --count-ops): {"DiT": ..., "prefix step": ...}."""
+    with torch.device(device):
+        model = FlowModel(FLOW_PRESETS[preset])
+    model = model.to(dtype).eval()
+    dit = model.decoder.estimator
+    # a real device keeps the rotary frequencies fp32 by value (RotaryEmbedding._apply); meta
+    # has no values to keep
+    dit.rotary_embed.inv_freq = dit.rotary_embed.inv_freq.float()
+    r, c = 2 * rows, model.cfg.mel_dim
+    x = torch.zeros(r, frames, c, dtype=dtype, device=device)
+    lens = torch.full((r,), frames, device=device)
+    bias = dit.attention_mask(lens, lens > 0, frames, dtype)  # streaming rows
+    mask = torch.ones(r, frames, 1, dtype=dtype, device=device)
+    spks, tau = torch.zeros(r, c, dtype=dtype, device=device), torch.zeros(r, device=device)
+    counts = {}
+    with torch.inference_mode():
+        with OpCounter() as counter:
+            dit(x, x, x, spks, tau, bias, mask)
+        counts["DiT"] = counter.ops
+        cache = PrefixCache.for_model(model, 0)
+        step = PrefixStep(dit, cache)
+        cache.pool()  # allocated once, at the first solve
+        args = step.example_args(rows, frames // cache.block * cache.block, cache.block)
+        with OpCounter() as counter:
+            step(*args)
+        counts["prefix step"] = counter.ops
+    return counts
+
+
+def count_ops(a, dtype: str) -> int:
+    counts = step_ops(a.preset, parts.DTYPES[dtype], a.device, a.batch, a.frames)
+    names = sorted(set().union(*counts.values()), key=lambda n: -max(c[n] for c in counts.values()))
+    print(
+        f"ops per solver step, {a.preset} {dtype}, {a.batch} requests ({2 * a.batch} rows), "
+        f"{a.frames} frames, plain kernels (views excluded)"
+    )
+    print(f"{'op':32s}" + "".join(f"{k:>14s}" for k in counts))
+    for name in names:
+        print(f"{name:32s}" + "".join(f"{c[name]:14d}" for c in counts.values()))
+    print(f"{'total':32s}" + "".join(f"{sum(c.values()):14d}" for c in counts.values()))
+    record = {"preset": a.preset, "dtype": dtype, "batch": a.batch, "frames": a.frames}
+    record["ops"] = {k: dict(c) for k, c in counts.items()}
+    record["total"] = {k: sum(c.values()) for k, c in counts.items()}
+    parts.save(a, record, "step_ops")
+    return 0
+
+
 def profile_batch(argv: list[str] | None = None) -> int:
     p = parts.parser(
         "profile-batch",
@@ -74,8 +165,15 @@ def profile_batch(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64, help="requests in the batch")
     p.add_argument("--frames", type=int, default=656, help="DiT sequence length per request")
     p.add_argument("--rows", type=int, default=25, help="operator rows to print")
+    p.add_argument(
+        "--count-ops",
+        action="store_true",
+        help="count the ops of one solver step instead of profiling (see above; --device meta)",
+    )
     a = parts.parse(p, argv)
     dtype = parts.one_dtype(p, a)
+    if a.count_ops:
+        return count_ops(a, dtype)
     model = load_flow(
         a.model_dir, device=a.device, dtype=parts.DTYPES[dtype], preset=a.preset, seed=a.seed
     )

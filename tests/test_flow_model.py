@@ -284,15 +284,16 @@ def test_bfloat16_option(model):
 
 
 def _output_dtypes(model: FlowModel, reqs) -> dict[str, torch.dtype]:
-    """Output dtype of the time MLP, an AdaLN projection, the final norm, the output and a
-    query projection in one generate."""
+    """Output dtype of the time MLP, the AdaLN modulations (one projection for all), an
+    attention (its q/k/v projection and rotary), a block, the final norm and the output in
+    one generate; every one of them must have run."""
     est = model.decoder.estimator
     watched = {
         "time_embed": est.time_embed,
-        "attn_norm.linear": est.transformer_blocks[0].attn_norm.linear,
+        "attn": est.transformer_blocks[0].attn,
+        "block": est.transformer_blocks[0],
         "norm_out": est.norm_out,
         "proj_out": est.proj_out,
-        "to_q": est.transformer_blocks[0].attn.to_q,
     }
     seen: dict[str, torch.dtype] = {}
 
@@ -302,12 +303,21 @@ def _output_dtypes(model: FlowModel, reqs) -> dict[str, torch.dtype]:
 
         return hook
 
+    def modulations(*args):
+        blocks, final = type(est).modulations(est, *args)
+        seen.setdefault("modulations", blocks[0].dtype)
+        seen.setdefault("final modulation", final.dtype)
+        return blocks, final
+
     hooks = [m.register_forward_hook(record(name)) for name, m in watched.items()]
+    est.modulations = modulations
     try:
         model.generate(reqs)
     finally:
+        del est.modulations
         for h in hooks:
             h.remove()
+    assert set(seen) == {*watched, "modulations", "final modulation"}
     return seen
 
 

@@ -59,7 +59,7 @@ def assert_all_close(got: list[torch.Tensor], want: list[torch.Tensor], tol: flo
 
 
 # -- fused norms ------------------------------------------------------------------------------
-def layer_inputs(model: FlowModel, rows: int = 4, frames: int = 37, seed: int = 0):
+def layer_inputs(model: FlowModel, layer: int, rows: int = 4, frames: int = 37, seed: int = 0):
     cfg = model.cfg.dit
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, frames, cfg.dim, generator=g)
@@ -69,12 +69,14 @@ def layer_inputs(model: FlowModel, rows: int = 4, frames: int = 37, seed: int = 
     dit = model.decoder.estimator
     bias = dit.attention_mask(lens, streaming, frames, x.dtype)
     mask = (torch.arange(frames)[None] < lens[:, None]).float()[..., None]
-    return x, temb_act, dit.rotary_embed.tables(frames), bias, mask
+    with torch.inference_mode():
+        mod = dit.modulations(temb_act, x.dtype)[0][layer]  # the layer's (r, 1, 6d)
+    return x, mod, dit.rotary_embed.tables(frames), bias, mask
 
 
 def test_fused_structure_is_bit_identical_to_the_plain_layer(model):
     layer: DiTLayer = model.decoder.estimator.transformer_blocks[1]
-    args = layer_inputs(model)
+    args = layer_inputs(model, 1)
     with torch.inference_mode():
         plain = layer(*args)
         fused = layer(*args, kernels=DiTKernels(fused_norms=True))  # CPU: uncompiled

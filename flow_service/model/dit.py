@@ -1,9 +1,11 @@
 """DiT velocity estimator `decoder.estimator` (docs/REFERENCE.md §4), batched over ragged masked rows.
 
 Attribute names mirror the upstream state-dict keys (docs/REFERENCE.md §9), so flow.pt loads with
-strict matching; the code itself is written for batched inference: channel-last tensors, one
-attention mask per call built outside the layer loop (a dense additive bias), in-place partial
-rotary. `DiTKernels` picks fused/compiled kernels for the same
+strict matching; the code itself is written for batched inference and few kernels a step:
+channel-last tensors, one attention mask per call built outside the layer loop (a dense
+additive bias), one GEMM for a layer's q, k and v, the rotary on q and k in one in-place pass,
+one GEMM for every AdaLN's modulation (the weights concerned are views of one tensor each:
+flow_service/model/shared_storage.py). `DiTKernels` picks fused/compiled kernels for the same
 function.
 
 Dimensions (the legend of docs/DESIGN.md "Shape letters"):
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flow_service.model.config import DiTConfig
+from flow_service.model.shared_storage import SharesStorage, share_storage_
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +43,9 @@ TIME_SCALE = 1000.0  # tau in [0, 1] is stretched before the sinusoid (F5-TTS co
 BIAS_ALIGN = 16  # SDPA's fused kernels want the bias rows 16-element aligned
 
 
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return torch.addcmul(shift, x, 1.0 + scale)
+def modulate(x: torch.Tensor, shift: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+    """x (1 + scale) + shift, with gain = 1 + scale already added (`DiT.modulations`)."""
+    return torch.addcmul(shift, x, gain)
 
 
 def attention_bias(
@@ -103,19 +107,19 @@ def bias_from_allowed(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return bias.masked_fill_(allowed[:, None], 0.0)
 
 
-def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float):
+def norm_modulate(x: torch.Tensor, shift: torch.Tensor, gain: torch.Tensor, eps: float):
     """AdaLN: layer norm without affine, then modulate. (r, t, d) -> (r, t, d)."""
-    return modulate(F.layer_norm(x, (x.shape[-1],), eps=eps), shift, scale)
+    return modulate(F.layer_norm(x, (x.shape[-1],), eps=eps), shift, gain)
 
 
-def residual_norm_modulate(x, gate, y, frame_mask, shift, scale, eps: float):
+def residual_norm_modulate(x, gate, y, frame_mask, shift, gain, eps: float):
     """Between sublayers: x + gate * (y * frame_mask), then its AdaLN for the next sublayer.
     Returns (new residual stream, normed); the same ops, in the same order, as the plain
     layer (where the attention applies the frame mask to its own output)."""
     if frame_mask is not None:
         y = y * frame_mask
     x = torch.addcmul(x, gate, y)
-    return x, norm_modulate(x, shift, scale, eps)
+    return x, norm_modulate(x, shift, gain, eps)
 
 
 # Each function compiled here recompiles a few times at most (per dtype); dynamo's default limit of 8 per function could
@@ -297,24 +301,36 @@ class RotaryEmbedding(nn.Module):
         return self.tables_at(torch.arange(num_frames, device=self.inv_freq.device))
 
     def tables_at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (..., e) for absolute positions `pos` (any shape, e.g. (r, q) per row)."""
+        """cos, signed sin (..., e) for absolute positions `pos` (any shape, e.g. (r, q) per
+        row): sin is negated on the first channel of each pair, so that `apply_rotary_` needs
+        no negation of its own (x1 (-s) is (-x1) s to the bit)."""
         freqs = pos.float()[..., None] * self.inv_freq.float()  # (..., e/2)
         freqs = freqs.repeat_interleave(2, dim=-1)  # (..., e)
-        return freqs.cos(), freqs.sin()
+        sin = freqs.sin()
+        sin[..., 0::2].neg_()
+        return freqs.cos(), sin
 
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate channel pairs (2i, 2i+1) of the first e channels of x (r, t, d) in place.
+    """Rotate channel pairs (2i, 2i+1) of the first e channels of each projection stacked in
+    x (r, t, n, d) in place: q and k (n = 2) in one pass. cos, sin (t, e) or (r, t, e).
 
-    Applied before the head split, as upstream: only head 0 gets a position signal."""
-    rot = x[..., : cos.shape[-1]]
-    xf = rot.float()
-    pairs = xf.unflatten(-1, (-1, 2))  # (r, t, e/2, 2)
-    swapped = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)  # (r, t, e)
-    rot.copy_(xf * cos + swapped * sin)
+    Applied before the head split, as upstream: only head 0 gets a position signal. Upstream's
+    x cos + rotate_half(x) sin, rotate_half(x) = (-x1, x0) per pair, with the sign in the table
+    (`RotaryEmbedding.tables_at`): x cos + (x1, x0) sin_signed. As upstream, the products with
+    the fp32 tables promote a bf16 x to fp32 (exactly, no cast kernel of its own); the sum is
+    rounded back into x."""
+    rot = x[..., : cos.shape[-1]]  # (r, t, n, e)
+    swapped = rot.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (r, t, n, e): (x1, x0) per pair
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (..., t, 1, e): the same for q and k
+    rot.copy_(rot * cos + swapped * sin)
 
 
-class Attention(nn.Module):
+class Attention(SharesStorage):
+    """Multi-head self-attention. q, k and v come from one GEMM: to_q, to_k and to_v keep their
+    parameters (upstream's keys), which are the row blocks of `qkv_weight` / `qkv_bias`
+    (3 h e, d) / (3 h e,) (`share_storage_`)."""
+
     def __init__(self, dim: int, heads: int, dim_head: int):
         super().__init__()
         self.heads = heads
@@ -324,12 +340,21 @@ class Attention(nn.Module):
         self.to_k = nn.Linear(dim, inner)
         self.to_v = nn.Linear(dim, inner)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # key `to_out.0` (1 was dropout)
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
+        self.share_storage()
+
+    def share_storage(self) -> None:
+        linears = (self.to_q, self.to_k, self.to_v)
+        self.qkv_weight = share_storage_([m.weight for m in linears], self.qkv_weight)
+        self.qkv_bias = share_storage_([m.bias for m in linears], self.qkv_bias)
 
     def forward(self, hidden, rope, attn_bias, frame_mask, kv=None) -> torch.Tensor:
         r, t, _ = hidden.shape
-        q, key, v = self.to_q(hidden), self.to_k(hidden), self.to_v(hidden)  # (r, t, h*e) each
-        apply_rotary_(q, *rope)
-        apply_rotary_(key, *rope)
+        inner = self.heads * self.dim_head
+        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)  # (r, t, 3 h e): [q | k | v]
+        apply_rotary_(qkv.view(r, t, 3, inner)[:, :, :2], *rope)  # q and k
+        q, key, v = qkv.split(inner, dim=-1)  # (r, t, h*e) each, strided views
         if kv is not None:  # prefix cache: keys/values of the cached prefix, then these
             key, v = kv(key, v)  # (r, t_keys, h*e) each, at absolute positions 0..t_keys-1
         t_keys = key.shape[1]
@@ -344,18 +369,16 @@ class Attention(nn.Module):
 
 
 class AdaLayerNormZero(nn.Module):
-    """Modulation from the time embedding: shift, scale, gate (attn) then shift, scale, gate
-    (FFN), in that order. The norm itself (no affine, eps 1e-6) is applied by the layer."""
+    """Holds a block's modulation linear (key `attn_norm.linear`, d -> 6d): shift, scale,
+    gate (attn) then shift, scale, gate (FFN), in that order. Its weights are rows of the
+    DiT's `adaln_weight`: the DiT projects every block's modulation in one GEMM
+    (`DiT.modulations`). The norm itself (no affine, eps 1e-6) is applied by the layer."""
 
-    def __init__(self, dim: int, num_chunks: int):
+    NUM_CHUNKS = 6
+
+    def __init__(self, dim: int):
         super().__init__()
-        self.linear = nn.Linear(dim, num_chunks * dim)
-
-    def forward(self, temb_act: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """Modulations in `dtype` (the residual stream's); the projection runs in the linear's
-        own dtype."""
-        mod = self.linear(temb_act.to(self.linear.weight.dtype))[:, None, :].to(dtype)
-        return mod.chunk(self.linear.out_features // self.linear.in_features, dim=-1)
+        self.linear = nn.Linear(dim, self.NUM_CHUNKS * dim)
 
 
 class FeedForward(nn.Module):
@@ -376,46 +399,54 @@ class DiTLayer(nn.Module):
     def __init__(self, cfg: DiTConfig):
         super().__init__()
         self.eps = cfg.norm_eps
-        self.attn_norm = AdaLayerNormZero(cfg.dim, 6)
+        self.attn_norm = AdaLayerNormZero(cfg.dim)
         self.attn = Attention(cfg.dim, cfg.heads, cfg.dim_head)
         self.ff = FeedForward(cfg.dim, cfg.dim * cfg.ff_mult)
 
     def forward(
-        self, x, temb_act, rope, attn_bias, frame_mask, kv=None, kernels=PLAIN_KERNELS
+        self, x, mod, rope, attn_bias, frame_mask, kv=None, kernels=PLAIN_KERNELS
     ) -> torch.Tensor:
-        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = self.attn_norm(temb_act, x.dtype)
+        """x (r, t, d); mod (r, 1, 6d): this block's slice of `DiT.modulations` (gains, not
+        scales: 1 + scale is added there)."""
+        shift_a, gain_a, gate_a, shift_f, gain_f, gate_f = mod.chunk(6, dim=-1)  # (r, 1, d)
         if kernels.fused_norms:
             compiled = kernels.compiled(x)
             first = _fused_norm_modulate if compiled else norm_modulate
             between = _fused_residual_norm_modulate if compiled else residual_norm_modulate
-            normed = first(x, shift_a, scale_a, self.eps)
+            normed = first(x, shift_a, gain_a, self.eps)
             y = self.attn(normed, rope, attn_bias, None, kv)  # frame mask: in `between`
-            x, normed = between(x, gate_a, y, frame_mask, shift_f, scale_f, self.eps)
+            x, normed = between(x, gate_a, y, frame_mask, shift_f, gain_f, self.eps)
             return torch.addcmul(x, gate_f, self.ff(normed))
         d = x.shape[-1]
-        normed = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_a, scale_a)
+        normed = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_a, gain_a)
         x = torch.addcmul(x, gate_a, self.attn(normed, rope, attn_bias, frame_mask, kv))
-        normed = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_f, scale_f)
+        normed = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_f, gain_f)
         return torch.addcmul(x, gate_f, self.ff(normed))
 
 
 class FinalNorm(nn.Module):
-    """AdaLayerNormZero_Final: chunks in the order scale, then shift (reverse of the blocks)."""
+    """AdaLayerNormZero_Final: chunks in the order scale, then shift (reverse of the blocks).
+    Its linear (key `norm_out.linear`, d -> 2d) is the last rows of the DiT's `adaln_weight`."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.linear = nn.Linear(dim, 2 * dim)
 
-    def forward(self, x: torch.Tensor, temb_act: torch.Tensor) -> torch.Tensor:
-        """In the linear's dtype (x, (r, t, d), is cast once)."""
-        dtype = self.linear.weight.dtype
-        scale, shift = self.linear(temb_act.to(dtype))[:, None, :].chunk(2, dim=-1)  # (r, 1, d)
-        return modulate(F.layer_norm(x.to(dtype), (x.shape[-1],), eps=self.eps), shift, scale)
+    def forward(self, x: torch.Tensor, mod: torch.Tensor) -> torch.Tensor:
+        """x (r, t, d); mod (r, 1, 2d), the final slice of `DiT.modulations` (its scale
+        already 1 + scale). In mod's dtype (x is cast once)."""
+        gain, shift = mod.chunk(2, dim=-1)  # (r, 1, d)
+        return modulate(F.layer_norm(x.to(mod.dtype), (x.shape[-1],), eps=self.eps), shift, gain)
 
 
-class DiT(nn.Module):
-    """Velocity v(x, tau | mu, cond, spk) for r rows; channel-last in and out."""
+class DiT(SharesStorage):
+    """Velocity v(x, tau | mu, cond, spk) for r rows; channel-last in and out.
+
+    Every AdaLN (the blocks' and the final norm's) projects the same SiLU(time embedding), so
+    one GEMM makes them all: `adaln_weight` ((6 depth + 2) d, d) and `adaln_bias` hold the
+    blocks' `attn_norm.linear` rows in block order, then `norm_out.linear`'s, and those
+    linears' parameters are views of them (`share_storage_`)."""
 
     def __init__(self, cfg: DiTConfig):
         super().__init__()
@@ -427,6 +458,31 @@ class DiT(nn.Module):
         self.norm_out = FinalNorm(cfg.dim, cfg.norm_eps)
         self.proj_out = nn.Linear(cfg.dim, cfg.mel_dim)
         self.kernels = PLAIN_KERNELS  # not state: set from flags (flow_service/config.py)
+        self.adaln_weight: torch.Tensor | None = None
+        self.adaln_bias: torch.Tensor | None = None
+        self.share_storage()
+
+    def share_storage(self) -> None:
+        linears = [layer.attn_norm.linear for layer in self.transformer_blocks]
+        linears.append(self.norm_out.linear)
+        self.adaln_weight = share_storage_([m.weight for m in linears], self.adaln_weight)
+        self.adaln_bias = share_storage_([m.bias for m in linears], self.adaln_bias)
+
+    def modulations(
+        self, temb_act: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """SiLU(time embedding) (r, d) -> (each block's (r, 1, 6d) in `dtype`, the residual
+        stream's; the final norm's (r, 1, 2d) in the weights' dtype): one GEMM, views of it,
+        every scale already made the gain 1 + scale (two kernels for all the norms, where
+        each norm added its own; the same sums)."""
+        depth, d = self.cfg.depth, self.cfg.dim
+        mods = F.linear(temb_act.to(self.adaln_weight.dtype), self.adaln_weight, self.adaln_bias)
+        width = depth * AdaLayerNormZero.NUM_CHUNKS * d
+        blocks, final = mods[:, :width].to(dtype), mods[:, width:]  # (r, 6 depth d), (r, 2d)
+        # chunks 1 and 4 of each block's six (shift, scale, gate; shift, scale, gate)
+        blocks.view(-1, depth, 2, 3, d)[:, :, :, 1].add_(1.0)
+        final[:, :d].add_(1.0)  # the final norm's chunks: scale, shift
+        return list(blocks[:, None, :].chunk(depth, dim=-1)), final[:, None, :]
 
     def warm_up_kernels(self) -> None:
         """Compile the enabled kernels now (on CUDA, or on the CPU with `compile_cpu`) for the
@@ -439,15 +495,17 @@ class DiT(nn.Module):
             return
         with torch.inference_mode():
             if kernels.fused_norms:
-                # as the layer calls them: chunks of one (r, 1, 6d) projection, in its order
-                # (dynamo guards on their storage offsets), distinct x and y
-                mods = torch.zeros(2, 1, 6 * d, dtype=dtype, device=device).chunk(6, dim=-1)
-                shift_a, scale_a, gate_a, shift_f, scale_f, _ = mods
+                # as the layers call them: chunks of each block's slice of the modulations, in
+                # its order (dynamo specialises a storage offset of 0, block 0's shift), distinct
+                # x and y
+                mods = self.modulations(torch.zeros(2, d, dtype=dtype, device=device), dtype)[0]
                 x = torch.zeros(2, 100, d, dtype=dtype, device=device)
                 y = torch.zeros(2, 100, d, dtype=dtype, device=device)
                 mask = torch.ones(2, 100, 1, dtype=dtype, device=device)
-                _fused_norm_modulate(x, shift_a, scale_a, cfg.norm_eps)
-                _fused_residual_norm_modulate(x, gate_a, y, mask, shift_f, scale_f, cfg.norm_eps)
+                for mod in mods:
+                    shift_a, gain_a, gate_a, shift_f, gain_f, _ = mod.chunk(6, dim=-1)
+                    _fused_norm_modulate(x, shift_a, gain_a, cfg.norm_eps)
+                    _fused_residual_norm_modulate(x, gate_a, y, mask, shift_f, gain_f, cfg.norm_eps)
 
     def attention_mask(
         self,
@@ -490,8 +548,9 @@ class DiT(nn.Module):
                 :, prefix.context :
             ].contiguous()
             rope = prefix.rope
-        for i, layer in enumerate(self.transformer_blocks):
+        mods, final_mod = self.modulations(temb_act, hidden.dtype)
+        for i, (layer, mod) in enumerate(zip(self.transformer_blocks, mods, strict=True)):
             kv = None if prefix is None else prefix.layer(i)
-            hidden = layer(hidden, temb_act, rope, attn_bias, frame_mask, kv, self.kernels)
-        out = self.norm_out(hidden, temb_act)  # (r, q, d)
+            hidden = layer(hidden, mod, rope, attn_bias, frame_mask, kv, self.kernels)
+        out = self.norm_out(hidden, final_mod)  # (r, q, d)
         return self.proj_out(out.to(self.proj_out.weight.dtype))  # (r, q, c)

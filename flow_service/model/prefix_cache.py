@@ -583,7 +583,10 @@ class _KVAssembler:
                         dst.copy_(src)
         else:
             for new, flat in zip((k, v), self.flat[i], strict=True):
-                new_flat = _words(new.reshape(-1, new.shape[-1]).contiguous())
+                # (r q, w): a view, also where k and v are column slices of one q/k/v GEMM
+                new_flat = _words(new.flatten(0, 1))
+                if new_flat.dtype != flat.dtype:  # rows not word-aligned: compact them first
+                    new_flat = _words(new.flatten(0, 1).contiguous())
                 flat.index_copy_(0, self.new_dst, new_flat.index_select(0, self.new_src))
         if i == n - 1:
             self._move(self.stores, first, n, store=True)
@@ -598,7 +601,7 @@ class DiTPrefix:
 
     context: int
     keep: torch.Tensor  # (r, context + q, 1)
-    rope: tuple[torch.Tensor, torch.Tensor]  # (r, q, e) each
+    rope: tuple[torch.Tensor, torch.Tensor]  # (r, q, e) each: RotaryEmbedding.tables_at
     kv: _KVAssembler
 
     def layer(self, index: int) -> Callable:
@@ -697,6 +700,10 @@ class PrefixStep:
         bias = window_bias(rows, rows + queries, rows == 0, prefix, queries, cache.block, dtype)
         cos, sin = dit.rotary_embed.tables_at(torch.zeros(r, queries, device=dev))
         blocks = (prefix // cache.block, queries // cache.block)
+        # the pool rows on the host (a few hundred integers, and a count is read back), then
+        # moved: the same on every device, the meta device included (bench profile-batch)
+        read = torch.full((num_rows, blocks[0]), cache.zero_block)
+        moves = IndexedKV.pool_rows(cache, read, torch.full((num_rows, blocks[1]), -1))[::2]
         return [
             window,
             window.clone(),
@@ -708,11 +715,7 @@ class PrefixStep:
             torch.ones(r, w, 1, dtype=dtype, device=dev),
             cos,
             sin,
-            *IndexedKV.pool_rows(
-                cache,
-                torch.full((num_rows, blocks[0]), cache.zero_block, device=dev),
-                torch.full((num_rows, blocks[1]), -1, device=dev),
-            )[::2],
+            *(x.to(dev) for x in moves),
         ]
 
     def __call__(self, x, mu, cond, spks, tau, bias, frame_mask, keep, cos, sin, gather, store):
