@@ -309,10 +309,13 @@ async def test_overload_is_rejected_quickly(model):
         stub = flow_pb2_grpc.FlowStub(channel)
         voice, tokens = make_stream(9, 10, 20)
         req = request_for(voice, tokens, 0, False, True)
-        first = [stub.Generate(req, timeout=30) for _ in range(4)]  # 1 running + 3 queued
-        # the runner holds one and three wait: all four are in (three queued alone could be the
-        # first three before the runner took one, and the probe would then take the last place)
-        await until(lambda: slow.batch_sizes and len(engine.scheduler) == 3)
+        # One call first, held by the runner, then three that wait: sent all at once, the four
+        # could all reach the queue before the runner took one (a loaded machine), and the
+        # fourth would then be the one refused.
+        first = [stub.Generate(req, timeout=30)]
+        await until(lambda: slow.batch_sizes)
+        first += [stub.Generate(req, timeout=30) for _ in range(3)]
+        await until(lambda: len(engine.scheduler) == 3)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.Generate(req, timeout=30)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
