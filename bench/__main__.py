@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.args import at_least
 from bench.plots import plot_all
 from bench.report import environment, load_environments, load_runs, write_results
 from bench.stack import StackConfig, StackError, start_stacks
@@ -58,14 +59,7 @@ def _labels(text: str) -> tuple[str, ...]:
     return labels
 
 
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"want an integer >= 1, got {text!r}")
-    return n
+_count = at_least(1)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:

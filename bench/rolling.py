@@ -50,6 +50,7 @@ from types import SimpleNamespace
 
 import grpc
 
+from bench.args import at_least, positive
 from bench.soak import (
     SoakStack,
     Tally,
@@ -660,29 +661,6 @@ async def rolling(args, argv: list[str]) -> int:
 # ---- flags -------------------------------------------------------------------------------------
 
 
-def _at_least(low: float, kind=int):
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            v = None
-        if v is None or v < low:
-            raise argparse.ArgumentTypeError(f"want a number >= {low:g}, got {text!r}")
-        return v
-
-    return parse
-
-
-def _positive(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = 0.0
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"want a number > 0, got {text!r}")
-    return v
-
-
 def _kinds(text: str) -> tuple[str, ...]:
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
     bad = [k for k in kinds if k not in KINDS]
@@ -713,13 +691,13 @@ def build_parser() -> argparse.ArgumentParser:
     for kind, flag in (("gateway", "--gateways"), ("flow", "--flows"), ("vocoder", "--vocoders")):
         s.add_argument(
             flag,
-            type=_at_least(2),
+            type=at_least(2),
             default=2,
             help=f"{kind} replicas (>= 2: the others carry the load while one is replaced)",
         )
     s.add_argument(
         "--threads",
-        type=_at_least(0),
+        type=at_least(0),
         default=1,
         help="torch threads per service (OMP_NUM_THREADS; with compose, an override file in "
         "--log-dir); 0: torch's default, one per core in every process, which oversubscribes a "
@@ -727,7 +705,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--startup-timeout",
-        type=_positive,
+        type=positive,
         default=300.0,
         help="s for the stack, and for each new replica, to say SERVING",
     )
@@ -740,51 +718,51 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--replacements",
-        type=_at_least(1),
+        type=at_least(1),
         default=3,
         help="replacements per kind, each of the replica that has run longest",
     )
     r.add_argument(
         "--settle",
-        type=_at_least(0.0, float),
+        type=at_least(0.0, float),
         default=10.0,
         help="s after a new replica says SERVING before the next replacement",
     )
     w = p.add_argument_group("load")
     w.add_argument(
         "--clients",
-        type=_at_least(1),
+        type=at_least(1),
         default=3,
         help="client workers, each one stream at a time, given every gateway address (the "
         "default keeps a 2-core host under its capacity: a replacement's cost, not overload)",
     )
     w.add_argument(
-        "--warmup", type=_at_least(0.0, float), default=20.0, help="s of load not measured"
+        "--warmup", type=at_least(0.0, float), default=20.0, help="s of load not measured"
     )
     w.add_argument(
         "--baseline",
-        type=_positive,
+        type=positive,
         default=60.0,
         help="s of undisturbed load after the warm-up: the gaps a replacement is compared with",
     )
     w.add_argument(
         "--num-inputs",
-        type=_at_least(1),
+        type=at_least(1),
         default=6,
         help="distinct voice+token inputs (8-30 prompt tokens, 60-400 tokens; bench/soak.py)",
     )
     w.add_argument(
-        "--resume-attempts", type=_at_least(0), default=3, help="the clients' resume_attempts"
+        "--resume-attempts", type=at_least(0), default=3, help="the clients' resume_attempts"
     )
     w.add_argument(
         "--resume-within-s",
-        type=_at_least(0.0, float),
+        type=at_least(0.0, float),
         default=30.0,
         help="the clients' resume_within_s",
     )
     w.add_argument(
         "--atol",
-        type=_positive,
+        type=positive,
         default=1e-4,
         help="largest abs difference of a stream's audio from the undisturbed run's",
     )
