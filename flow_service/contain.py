@@ -19,7 +19,12 @@ import torch
 
 from flow_service.model import FlowRequest
 from flow_service.runner import BetweenSteps, FlowRunner
-from token2wav.faults import RowOutOfMemory, free_device_memory, is_out_of_memory
+from token2wav.faults import (
+    RowOutOfMemory,
+    free_device_memory,
+    is_out_of_memory,
+    without_frames,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +43,7 @@ def execute_contained(
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
-        cause = exc
+        cause = without_frames(exc)
     free_device_memory()
     if runner.prefix_cache is not None:
         for req in requests:

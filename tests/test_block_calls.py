@@ -214,18 +214,12 @@ def test_chunked_final_reads_the_cache_and_differs_in_the_last_chunk_only(model)
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("no_tf32")
 def test_gpu_block_calls_fp32_exact_and_bf16_as_close_as_per_chunk():
     """Full-size preset on CUDA: fp32 block calls equal the per-chunk path; bf16 block calls
     stay as close to fp32 as bf16's per-chunk path does (the two bf16 paths round
     differently, so each is compared through its distance to fp32)."""
-    # no TF32 (set through the precision API: newer torch has no matmul.allow_tf32 to patch)
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
-            results = _block_calls_on_cuda()
-    finally:
-        torch.set_float32_matmul_precision(precision)
+    results = _block_calls_on_cuda()
     assert_close(*results[torch.float32])
     for i, (g, w, r) in enumerate(zip(*results[torch.bfloat16], results[torch.float32][1])):
         blocks, plain = float((g - r).pow(2).mean().sqrt()), float((w - r).pow(2).mean().sqrt())

@@ -75,7 +75,7 @@ def unfused_velocity(dit, x, mu, cond, spks, tau, bias, frame_mask=None, prefix=
     temb_act = F.silu(dit.time_embed(tau))
     if prefix is None:
         hidden = dit.input_embed(x, cond, mu, spks)
-        rope = _rotary_tables(dit, torch.arange(x.shape[1]))
+        rope = _rotary_tables(dit, torch.arange(x.shape[1], device=x.device))
     else:
         hidden = dit.input_embed(x, cond, mu, spks, prefix.keep)[:, prefix.context :].contiguous()
         cos, sin = prefix.rope  # the service's tables: sin signed for its one-pass rotary
@@ -342,13 +342,12 @@ def test_count_ops_option_of_profile_batch(tmp_path, capsys):
 
 
 @pytest.mark.gpu
-def test_gpu_fused_weights(model, monkeypatch):
+@pytest.mark.usefixtures("no_tf32")
+def test_gpu_fused_weights(model):
     """On CUDA (fp32 without TF32): .cuda() keeps the views, and a DiT call, eager and
     replayed from a CUDA graph, equals the unfused reference."""
     from flow_service.model.graphs import GraphedEstimator
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     m = copy.deepcopy(model).cuda()
     assert_shared(m)
     dit = m.decoder.estimator

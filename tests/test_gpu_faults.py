@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import weakref
 
 import grpc
 import numpy as np
@@ -21,6 +22,7 @@ from _stack import flow_config, start_flow, start_stack, stream_inputs, until
 from grpc_health.v1 import health_pb2
 from prometheus_client import REGISTRY
 
+from flow_service.contain import execute_contained
 from flow_service.model import FlowRequest, Voice, load_flow
 from flow_service.service import FlowService
 from gateway.client import AsyncClient
@@ -121,6 +123,47 @@ async def test_flow_oom_in_a_batch_of_4_splits_and_answers_all_4(models):
         # Invariant 1: a row's mel does not depend on its batch (here 2 rows instead of 4).
         assert (mel - ref).abs().max() <= 1e-4 * ref.abs().max()
     assert metric("t2w_flow_gpu_faults_total", kind="oom_split") == splits + 1
+
+
+class FailsHoldingMemory:
+    """Wraps a runner's batch function: the first call of `rows` rows allocates a tensor (the
+    failed batch's activations) and raises an out-of-memory from the frame holding it; every
+    later call records whether that tensor was still alive when it started (a retry next to
+    the memory that ran out would run out again on a real GPU)."""
+
+    def __init__(self, run, rows: int):
+        self.run, self.rows = run, rows
+        self.held = None
+        self.alive_at_retry: list[bool] = []
+
+    def __call__(self, batch, *args, **kwargs):
+        if self.held is None and len(batch) == self.rows:
+            activations = torch.zeros(1 << 16)
+            self.held = weakref.ref(activations)
+            raise injected_oom()
+        if self.held is not None:
+            self.alive_at_retry.append(self.held() is not None)
+        return self.run(batch, *args, **kwargs)
+
+
+async def test_flow_oom_retry_runs_after_the_failed_batch_is_freed(models, monkeypatch):
+    service = FlowService(flow_config(), model=models[0])
+    runner = service.engine.runner
+    wrapped = FailsHoldingMemory(runner.generate, 4)
+    monkeypatch.setattr(runner, "generate", wrapped)
+    got, _, _ = execute_contained(runner, flow_requests())
+    assert all(isinstance(m, torch.Tensor) for m in got)
+    assert wrapped.alive_at_retry == [False, False]
+
+
+def test_vocoder_oom_retry_runs_after_the_failed_batch_is_freed(models, monkeypatch):
+    runner = HiFTRunner(models[1])
+    wrapped = FailsHoldingMemory(runner._run_batch, 4)
+    monkeypatch.setattr(runner, "_run_batch", wrapped)
+    chunks = mels()
+    out = runner.execute([runner.new_state() for _ in chunks], chunks, [False] * 4)
+    assert out.errors == [None] * 4
+    assert wrapped.alive_at_retry == [False, False]
 
 
 async def test_flow_row_that_always_fails_fails_alone_naming_its_request(models):
@@ -297,7 +340,10 @@ async def test_vocoder_sticky_error_answers_unavailable_and_exits_for_a_restart(
 
 
 def _peak_bytes(run) -> int:
-    """The device memory `run()` reserves beyond what is reserved before it."""
+    """The device memory `run()` reserves beyond what is reserved before it, the second time:
+    the first picks kernels (cuDNN tries algorithms with workspaces of their own), which
+    inflates its peak past what the batch needs."""
+    run()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved()
@@ -351,16 +397,15 @@ def long_flow_requests() -> list[FlowRequest]:
 
 @pytest.mark.gpu
 def test_gpu_real_oom_splits_a_flow_batch_and_a_lone_row_fails_alone():
-    from flow_service.contain import execute_contained
     from flow_service.runner import FlowRunner
 
     model = load_flow(None, device="cuda", preset="cosyvoice3-0.5b")
     runner = FlowRunner(model, cuda_graphs=False)
     requests = long_flow_requests()
-    reference: list = []
     one = _peak_bytes(lambda: runner.execute(requests[:1]))
     two = _peak_bytes(lambda: runner.execute(requests[:2]))
-    four = _peak_bytes(lambda: reference.extend(runner.execute(requests)[0]))
+    four = _peak_bytes(lambda: runner.execute(requests))
+    reference = runner.execute(requests)[0]
     kinds: list[str] = []
     with _Ballast(_room_between(two, four)):
         got, _, _ = execute_contained(runner, requests, count=kinds.append)
@@ -387,8 +432,8 @@ def test_gpu_real_oom_splits_a_vocoder_batch():
         return runner.execute([runner.new_state() for _ in range(n)], chunks[:n], final[:n])
 
     two = _peak_bytes(lambda: run(2))
-    reference = []
-    four = _peak_bytes(lambda: reference.append(run(4)))
+    four = _peak_bytes(lambda: run(4))
+    reference = [run(4)]
     splits = metric("t2w_vocoder_gpu_faults_total", kind="oom_split")
     with _Ballast(_room_between(two, four)):
         out = run(4)

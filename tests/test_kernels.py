@@ -196,13 +196,12 @@ def test_the_service_fuses_norms_on_cuda_only():
 
 # -- CUDA -------------------------------------------------------------------------------------
 @pytest.mark.gpu
-def test_cuda_kernels_match_the_plain_path(monkeypatch):
+@pytest.mark.usefixtures("no_tf32")
+def test_cuda_kernels_match_the_plain_path():
     """Full size, TF32 off: compiled fused norms, eager and under CUDA graphs, and with the
     prefix cache."""
     from flow_service.model import GraphedEstimator, PrefixCache
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     m = load_flow(None, preset="cosyvoice3-0.5b", device="cuda", seed=0)
     reqs: list[FlowRequest] = ragged_requests()
     want = m.generate(reqs)
@@ -247,9 +246,8 @@ def test_compiled_bf16_kernels_on_cpu_stay_as_close_to_fp32():
 
 
 @pytest.mark.gpu
-def test_cuda_bf16_kernels_stay_as_close_to_fp32_as_the_plain_path(monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+@pytest.mark.usefixtures("no_tf32")
+def test_cuda_bf16_kernels_stay_as_close_to_fp32_as_the_plain_path():
     check_bf16_against_fp32("cosyvoice3-0.5b", "cuda", ragged_requests())
 
 

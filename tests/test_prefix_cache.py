@@ -258,9 +258,8 @@ def test_metrics_hook_and_budget_errors(model):
 
 
 @pytest.mark.gpu
-def test_gpu_fp32_and_bf16(monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+@pytest.mark.usefixtures("no_tf32")
+def test_gpu_fp32_and_bf16():
     voice = make_voice(12, 75)
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -492,7 +491,8 @@ def test_runner_graphs_small_work_and_runs_large_work_eagerly_with_the_cache(mod
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_runner_graphs_over_the_cache(monkeypatch, dtype):
+@pytest.mark.usefixtures("no_tf32")
+def test_gpu_runner_graphs_over_the_cache(dtype):
     """Before/after for graphs over the prefix cache: the same calls of three streams, batched
     together (3 rows, padded to 4), through graphs without the cache (every call recomputes its
     prefix), eagerly with the cache, and through the prefix graphs. fp32 (TF32 off): all
@@ -500,8 +500,6 @@ def test_gpu_runner_graphs_over_the_cache(monkeypatch, dtype):
     without the cache are."""
     from flow_service.runner import FlowRunner
 
-    torch.set_float32_matmul_precision("highest")
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     m = load_flow(None, preset="cosyvoice3-0.5b", device="cuda", dtype=dtype, seed=0)
     streams = [
         stream_calls(make_voice(20 + i, 75), f"g{i}", 300, seed=70 + i)[:-1] for i in range(3)

@@ -83,9 +83,26 @@ class FaultInjector:
             raise exc
 
 
+def without_frames(exc: BaseException) -> BaseException:
+    """`exc` with its traceback (and those of the exceptions it chains) cut: a traceback holds
+    the frames of the failed batch and with them its tensors, so a retry while it lives runs
+    next to all the memory that ran out."""
+    seen, e = set(), exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return exc
+
+
 def free_device_memory() -> None:
-    """Give the allocator's cached blocks back before a retry (nothing to do on the CPU)."""
+    """Give the failed batch's memory and the allocator's cached blocks back before a retry
+    (nothing to do on the CPU)."""
+    import gc
+
     import torch
+
+    gc.collect()  # frames that only a reference cycle still holds
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()

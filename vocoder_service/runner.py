@@ -28,6 +28,7 @@ from token2wav.faults import (
     free_device_memory,
     is_device_lost,
     is_out_of_memory,
+    without_frames,
 )
 from vocoder_service.metrics import GPU_FAULTS, GRAPH_CALLS
 
@@ -102,6 +103,7 @@ class HiFTRunner:
         """Run `slots` as one batch; a bad row is taken out (the model validates every row before
         any state changes) and the rest re-run, so one bad chunk never fails the others."""
         while slots:
+            oom = None
             try:
                 audio = self._run_batch(
                     [states[i] for i in slots],
@@ -119,22 +121,25 @@ class HiFTRunner:
                 if is_device_lost(exc):
                     raise
                 if is_out_of_memory(exc):
-                    self._split_after_oom(slots, states, mels, finalize, out, exc)
+                    oom = without_frames(exc)
+                else:
+                    bad = getattr(exc, "slot", None)  # the culprit's index in this batch's list
+                    if is_input_error(exc) and isinstance(bad, int) and 0 <= bad < len(slots):
+                        i = slots.pop(bad)
+                        out.errors[i], out.fatal[i] = _client_error(exc)
+                        continue
+                    if is_input_error(exc) and len(slots) > 1:
+                        for i in slots:  # no slot given: find the culprit(s) one by one
+                            self._run_slots([i], states, mels, finalize, out)
+                        return
+                    if not is_input_error(exc):
+                        logger.error("HiFT batch of %d slots failed: %r", len(slots), exc)
+                    for i in slots:
+                        out.errors[i], out.fatal[i] = _client_error(exc)
                     return
-                bad = getattr(exc, "slot", None)  # the culprit's index in this batch's list
-                if is_input_error(exc) and isinstance(bad, int) and 0 <= bad < len(slots):
-                    i = slots.pop(bad)
-                    out.errors[i], out.fatal[i] = _client_error(exc)
-                    continue
-                if is_input_error(exc) and len(slots) > 1:
-                    for i in slots:  # no slot given: find the culprit(s) one by one
-                        self._run_slots([i], states, mels, finalize, out)
-                    return
-                if not is_input_error(exc):
-                    logger.error("HiFT batch of %d slots failed: %r", len(slots), exc)
-                for i in slots:
-                    out.errors[i], out.fatal[i] = _client_error(exc)
-                return
+            # outside the except block: there the failed batch's frames would still be alive
+            self._split_after_oom(slots, states, mels, finalize, out, oom)
+            return
 
     def _split_after_oom(self, slots, states, mels, finalize, out, exc) -> None:
         """Out of memory: decode_batch commits the states only after all its device work, so
