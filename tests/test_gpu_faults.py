@@ -373,11 +373,14 @@ class _Ballast:
         torch.cuda.empty_cache()
 
 
-def _room_between(two: int, four: int) -> int:
-    # The two-row half needs `two`, the whole batch `four`; room halfway between, if the two
-    # differ enough to leave the allocator's rounding (2 MiB blocks, 20 MiB segments) a margin.
+def _room_between(two: int, four: int, share: float = 0.5) -> int:
+    # The two-row half needs `two`, the whole batch `four`; room `share` of the way between,
+    # if the two differ enough to leave the allocator's rounding (2 MiB blocks, 20 MiB
+    # segments) a margin. Close to `two` where a library can trade memory for speed (cuDNN
+    # picks an algorithm with a smaller workspace when memory is short, so `four` is more than
+    # the whole batch must have).
     assert four - two > 256 << 20, f"peaks too close to part: {two} / {four} bytes"
-    return (two + four) // 2
+    return two + int(share * (four - two))
 
 
 def long_flow_requests() -> list[FlowRequest]:
@@ -396,6 +399,7 @@ def long_flow_requests() -> list[FlowRequest]:
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("no_tf32")  # TF32 rounds by batch shape: 2e-4 apart, not fp32's 1e-6
 def test_gpu_real_oom_splits_a_flow_batch_and_a_lone_row_fails_alone():
     from flow_service.runner import FlowRunner
 
@@ -422,6 +426,7 @@ def test_gpu_real_oom_splits_a_flow_batch_and_a_lone_row_fails_alone():
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("no_tf32")
 def test_gpu_real_oom_splits_a_vocoder_batch():
     runner = HiFTRunner(load_hift(None, device="cuda", preset="cosyvoice3-0.5b"), "cuda")
     rng = np.random.default_rng(5)
@@ -435,10 +440,12 @@ def test_gpu_real_oom_splits_a_vocoder_batch():
     four = _peak_bytes(lambda: run(4))
     reference = [run(4)]
     splits = metric("t2w_vocoder_gpu_faults_total", kind="oom_split")
-    with _Ballast(_room_between(two, four)):
+    with _Ballast(_room_between(two, four, share=0.125)):
         out = run(4)
     assert out.errors == [None] * 4
-    assert metric("t2w_vocoder_gpu_faults_total", kind="oom_split") >= splits + 1
+    assert metric("t2w_vocoder_gpu_faults_total", kind="oom_split") >= splits + 1, (
+        f"4 rows fit in {two + (four - two) // 8} bytes (peaks: 2 rows {two}, 4 rows {four})"
+    )
     for got, want in zip(out.audio, reference[0].audio, strict=True):
         assert got.shape == want.shape and got.size > 0
         assert np.abs(got - want).max() <= 1e-4
