@@ -140,3 +140,18 @@ def test_part_names_a_bad_shared_value(capsys):
     assert "--dtype" in capsys.readouterr().err
     assert main(["profile-batch", "--dtype", "float32,bfloat16", "--smoke"]) == 2
     assert "one dtype" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "preset"),
+    [
+        (["sweep"], "small"),
+        (["capacity", "--device", "cuda"], "cosyvoice3-0.5b"),
+        (["sweep", "--device", "cuda:1"], "cosyvoice3-0.5b"),
+        (["poisson", "--device", "cuda", "--preset", "small"], "small"),
+    ],
+)
+def test_stack_runs_default_to_the_full_size_model_on_a_gpu(argv, preset):
+    from bench.__main__ import parse_args
+
+    assert parse_args(argv).preset == preset
