@@ -83,7 +83,8 @@ from gateway.admission import (
     remaining_work,
 )
 from gateway.deadlines import VOCODER_HOLDBACK_FRAMES, DeadlineConfig, PlaybackClock
-from gateway.schedule import LOOKAHEAD_TOKENS, ChunkPlanner, ScheduleConfig
+from gateway.pipeline import PipelineLimits
+from gateway.schedule import LOOKAHEAD_TOKENS, BlockPlanner, ChunkPlanner, ScheduleConfig
 from token2wav import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKEN_MEL_RATIO
 from token2wav.errors import ResourceExhausted
 from vocoder_service.batch_policy import batch_order, fits
@@ -197,7 +198,11 @@ class SimConfig:
     vocoder_cost: VocoderCostFit = VocoderCostFit()
     prompt_tokens: int = 75
     utterance_tokens: int = 250
-    max_inflight: int = 4
+    max_inflight: int = PipelineLimits.max_inflight_chunks
+    # the gateway's --block-calls: a chunk's 25-token blocks are flow calls of their own, sent
+    # as their tokens + 3 come in (max_inflight of them out at once), and the chunk goes to
+    # the vocoder once all of its blocks are back; the final call waits for every block
+    block_calls: bool = PipelineLimits.block_calls
     order_streams: bool = True  # the prefix cache's per-stream order on the replica
     preempt: bool = True
     # the vocoder's BatcherConfig: sessions per batch, wait to fill, urgent batches
@@ -409,6 +414,15 @@ class _Stream:
     # seq -> (chunk, the due sent with it; None without deadlines): planned, flow not answered
     unanswered: dict = field(default_factory=dict)
     admitted: _Admitted | None = None  # what admission sees of it, while admitted
+    # block calls (SimConfig.block_calls)
+    blocks: BlockPlanner | None = None
+    block_inflight: int = 0
+    blocks_planned: bool = False  # every block call the input allows has gone out
+    block_done: dict = field(
+        default_factory=dict
+    )  # start token -> (end token, started, done, rows)
+    assembling: deque = field(default_factory=deque)  # chunks waiting for their blocks
+    final_held: tuple | None = None  # (final chunk, due) waiting for the last block
 
 
 class Simulation:
@@ -452,6 +466,8 @@ class Simulation:
         planner = ChunkPlanner(self.c.prompt_tokens, ScheduleConfig())
         gw = len(self.streams) % len(self.gw_free_at)
         s = _Stream(sid, opened, times, planner, clock, rec, gateway=gw)
+        if self.c.block_calls:
+            s.blocks = BlockPlanner(self.c.prompt_tokens, ScheduleConfig())
         self.streams.append(s)
         self.clock.at(opened, self._open, s)
         for i, t in enumerate(times):
@@ -480,6 +496,7 @@ class Simulation:
 
     def _opened(self, s: _Stream) -> None:
         s.open_done = True
+        self._send_blocks(s)
         self._send_flow(s)
 
     def _tokens_in(self, s: _Stream, num: int, ended: bool) -> None:
@@ -492,23 +509,68 @@ class Simulation:
             s.ready[chunk.seq] = now
             s.pending.append((chunk, due))
             s.unanswered[chunk.seq] = (chunk, due if s.playback else None)
+        self._send_blocks(s)
         self._send_flow(s)
 
     def _send_flow(self, s: _Stream) -> None:
         while s.open_done and s.pending and s.inflight < self.c.max_inflight:
             chunk, due = s.pending.popleft()
             s.inflight += 1
+            if s.blocks is None:
+                self.clock.at(self.clock.now + self.c.wire_s, self._flow_arrives, s, chunk, due)
+            elif chunk.finalize:
+                s.final_held = (chunk, due)
+                self._send_final(s)
+            else:
+                s.assembling.append(chunk)
+                self._assemble(s)
+
+    def _send_blocks(self, s: _Stream) -> None:
+        """gateway/pipeline.py `_compute_blocks`: the block calls the tokens allow."""
+        if s.blocks is None or not s.open_done:
+            return
+        wanted = s.blocks.streaming_end(s.num_tokens) if s.ended else s.num_tokens
+        while s.block_inflight < self.c.max_inflight:
+            call = s.blocks.next_call(wanted)
+            if call is None:
+                s.blocks_planned = s.ended
+                break
+            s.block_inflight += 1
+            now = self.clock.now
+            chunk = s.blocks.chunk_of(call.token_offset)
+            due = s.playback.due(chunk, now, project=True) if s.playback else math.inf
+            self.clock.at(now + self.c.wire_s, self._flow_arrives, s, call, due, True)
+
+    def _send_final(self, s: _Stream) -> None:
+        if s.final_held is not None and s.blocks_planned and s.block_inflight == 0:
+            (chunk, due), s.final_held = s.final_held, None
             self.clock.at(self.clock.now + self.c.wire_s, self._flow_arrives, s, chunk, due)
 
-    def _flow_arrives(self, s: _Stream, chunk, due: float) -> None:
-        s.stages[chunk.seq] = [self.clock.now]
-        s.chain.append((chunk, due, self.clock.now))
+    def _assemble(self, s: _Stream) -> None:
+        """gateway/pipeline.py `_assemble`: a chunk is ready once its blocks are back."""
+        while s.assembling:
+            chunk = s.assembling[0]
+            start, end, last = chunk.token_offset, chunk.num_tokens - LOOKAHEAD_TOKENS, None
+            while start < end and start in s.block_done:
+                last = s.block_done[start]
+                start = last[0]
+            if start < end:
+                return
+            s.assembling.popleft()
+            _, started, done, rows = last
+            s.stages[chunk.seq] = [min(started, s.ready[chunk.seq]), started, done, rows]
+            self._chunk_mel(s, chunk)
+
+    def _flow_arrives(self, s: _Stream, chunk, due: float, block: bool = False) -> None:
+        if not block:
+            s.stages[chunk.seq] = [self.clock.now]
+        s.chain.append((chunk, due, self.clock.now, block))
         self._chain_next(s)
 
     def _chain_next(self, s: _Stream) -> None:
         if s.chain_busy or not s.chain:
             return
-        chunk, due, sent = s.chain.popleft()
+        chunk, due, sent, block = s.chain.popleft()
         s.chain_busy = self.c.order_streams
         emitted = chunk.num_tokens - (0 if chunk.finalize else LOOKAHEAD_TOKENS)
         frames = TOKEN_MEL_RATIO * (self.c.prompt_tokens + emitted)  # FlowRequest.num_seq_frames
@@ -517,7 +579,7 @@ class Simulation:
             num_out_frames=TOKEN_MEL_RATIO * chunk.num_emit_tokens,
             is_first_chunk=chunk.token_offset == 0,
             deadline=math.inf,
-            payload=(s, chunk),
+            payload=(s, chunk, block),
             arrival=self.clock.now,
             due=due,
             stream=s.sid,
@@ -553,7 +615,7 @@ class Simulation:
         self.seq_frames += sum(frames)
         prefixes, stored, stores = [], 0, []
         for call in plan.calls:
-            s, chunk = call.payload
+            s, chunk, _ = call.payload
             prefix = 0
             if not call.final:
                 out_start = TOKEN_MEL_RATIO * (self.c.prompt_tokens + chunk.token_offset)
@@ -600,18 +662,36 @@ class Simulation:
             }
         )
         for call in plan.calls:
-            s, chunk = call.payload
-            s.stages[chunk.seq] += [started, now, len(plan.calls)]
-            self.clock.at(now + self.c.wire_s, self._mel_back, s, chunk)
+            s, chunk, block = call.payload
+            if block:
+                s.block_done[chunk.token_offset] = (
+                    chunk.num_tokens - LOOKAHEAD_TOKENS,
+                    started,
+                    now,
+                    len(plan.calls),
+                )
+            else:
+                s.stages[chunk.seq] += [started, now, len(plan.calls)]
+            self.clock.at(now + self.c.wire_s, self._mel_back, s, chunk, block)
 
-    def _mel_back(self, s: _Stream, chunk) -> None:
-        s.mels[chunk.seq] = chunk
+    def _mel_back(self, s: _Stream, chunk, block: bool = False) -> None:
         # gateway/downstream.py: each flow answer carries the replica's learned capacity
         self.boards[s.gateway].report("flow", self.cost.capacity_frames_per_s)
-        s.unanswered.pop(chunk.seq, None)
         if s.chain_busy:
             s.chain_busy = False
             self._chain_next(s)
+        if not block:
+            self._chunk_mel(s, chunk)
+            return
+        s.block_inflight -= 1
+        self._assemble(s)
+        self._send_blocks(s)
+        self._send_final(s)
+
+    def _chunk_mel(self, s: _Stream, chunk) -> None:
+        """A chunk's mel is in the gateway: chunks go to the vocoder in order."""
+        s.mels[chunk.seq] = chunk
+        s.unanswered.pop(chunk.seq, None)
         while s.next_voc in s.mels:
             seq = s.next_voc
             ch = s.mels.pop(seq)
@@ -846,6 +926,11 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0, help="Poisson arrivals' seed")
     ap.add_argument("--no-deadlines", action="store_true", help="gateway sends no deadlines")
     ap.add_argument("--batches", action="store_true", help="print the closed loop's batches")
+    ap.add_argument(
+        "--block-calls",
+        action="store_true",
+        help="the gateway's --block-calls: each 25-token block a flow call of its own",
+    )
     base = SimConfig()
     knobs = ap.add_argument_group("the services' flags (defaults: what the bench runs)")
     for flag, default, kind, what in [
@@ -887,6 +972,7 @@ def main(argv=None) -> None:
         vocoder_urgent_max_frames=a.urgent_max_frames,
         gateways=a.gateways,
         graph_max_frames=a.graph_max_frames,
+        block_calls=a.block_calls,
     )
     if a.overload > 0:
         cfg = replace(cfg, admission=AdmissionConfig(enabled=True, headroom=a.admission_headroom))

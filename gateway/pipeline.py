@@ -248,11 +248,7 @@ class StreamPipeline:
         if not self.ended:
             return self.num_tokens
         if self._streaming_end is None:
-            planner, end = ChunkPlanner(self.blocks.num_prompt_tokens, self.setup.schedule), 0
-            while (chunk := planner.next_call(self.num_tokens, True)) is not None:
-                if not chunk.finalize:
-                    end = chunk.num_tokens
-            self._streaming_end = end
+            self._streaming_end = self.blocks.streaming_end(self.num_tokens)
         return self._streaming_end
 
     async def _compute_blocks(self) -> None:
@@ -281,8 +277,7 @@ class StreamPipeline:
     def _block_due(self, call: FlowCall) -> float:
         """The playback deadline of the chunk this block goes out in (projected: its tokens
         may not all be in yet)."""
-        seq, start, end = self.blocks.chunk_at(call.token_offset)
-        chunk = FlowCall(seq, end + LOOKAHEAD_TOKENS, start, finalize=False, streaming=True)
+        chunk = self.blocks.chunk_of(call.token_offset)
         return self.playback.due(chunk, time.monotonic(), project=True)
 
     async def _plan(self) -> None:

@@ -213,6 +213,20 @@ class BlockPlanner:
             seq, start, end = seq + 1, end, end + hop
         return seq, start, end
 
+    def chunk_of(self, token: int) -> FlowCall:
+        """The streaming chunk that target token `token` goes out in."""
+        seq, start, end = self.chunk_at(token)
+        return FlowCall(seq, end + LOOKAHEAD_TOKENS, start, finalize=False, streaming=True)
+
+    def streaming_end(self, num_tokens: int) -> int:
+        """For an input that ended at `num_tokens`: the tokens its streaming chunks cover,
+        which the block calls compute (the rest go to the final call)."""
+        planner, end = ChunkPlanner(self.num_prompt_tokens, self._hops), 0
+        while (chunk := planner.next_call(num_tokens, True)) is not None:
+            if not chunk.finalize:
+                end = chunk.num_tokens
+        return end
+
     def next_call(self, upto: int) -> FlowCall | None:
         start = self.unit_start(self.next_unit)
         limit = min(self.chunk_at(start)[2], upto - LOOKAHEAD_TOKENS)

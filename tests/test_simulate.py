@@ -237,7 +237,7 @@ def pending(s, offset: int, emitted: int, final: bool = False) -> PendingCall:
         2 * (emitted - offset),
         offset == 0,
         math.inf,
-        payload=(s, c),
+        payload=(s, c, False),
         stream=s.sid,
         token_offset=offset,
         final=final,
@@ -400,3 +400,27 @@ def test_overload_admission_refuses_some_and_keeps_more_of_the_admitted_on_time(
     assert all(r["admitted"] + r["refused"] == r["streams"] for r in runs)
     share = sum(r["on_time"] for r in runs) / sum(r["admitted"] for r in runs)
     assert share > everyone["on_time_share"] + 0.2
+
+
+def test_block_calls_make_a_flow_call_per_block_and_deliver_the_same_audio():
+    """SimConfig.block_calls models the gateway's --block-calls with its own BlockPlanner: a
+    paced stream's chunks go out whole and in order, made of one flow call per 25-token block
+    (the first block takes the prompt pad), and the final call comes after every block."""
+
+    def one(block_calls: bool):
+        sim = Simulation(replace(SimConfig(), block_calls=block_calls, start_buffer_s=0.0))
+        sim.add_stream("s", 0.0, 50.0)
+        (rec,) = sim.run()
+        return sim, rec
+
+    (chunks_sim, chunks), (blocks_sim, blocks) = one(False), one(True)
+    for rec in (chunks, blocks):
+        assert rec.final_seen and rec.seqs == [0, 1, 2, 3]
+    assert blocks.num_samples == chunks.num_samples  # the same chunking and audio
+    # 250 tokens after a 75-token prompt (no pad): chunks end at tokens 25, 75, 175 (+3
+    # lookahead), then the final call. Block calls: the 7 blocks of [0, 175), and, while the
+    # input is open, [175, 200) and [200, 225) of a chunk the input then ends inside (dropped:
+    # the final call covers them), then the final call
+    assert len(chunks_sim.batches) == 4
+    assert [b["padded"] for b in blocks_sim.batches[:9]] == list(range(200, 650, 50))
+    assert len(blocks_sim.batches) == 10
