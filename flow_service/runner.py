@@ -77,6 +77,10 @@ GRAPH_ROW_STEP = 8
 # blocks), so a few graphs per row bucket cover the prefixes of 30 s streams; the padding is
 # masked keys, cheap next to the queries' own compute.
 GRAPH_PREFIX_MULTIPLE = 200
+# Prefix graphs kept (least recently used go first): room for every shape the warm-up captures
+# (`FlowRunner.prefix_graph_shapes`: 165 with no --graph-max-frames bound, 120 at 12288) and
+# some met later (prefixes past 800 frames).
+PREFIX_GRAPHS_KEPT = 192
 
 
 def graph_rows(num_rows: int) -> int:
@@ -129,7 +133,10 @@ class FlowRunner:
             if prefix_cache is not None:
                 step = PrefixStep(model.decoder.estimator, prefix_cache)
                 self.prefix_graphs = GraphedEstimator(
-                    step, max_graphs=128, always_copy=PrefixStep.ALWAYS_COPY, share=self.graphs
+                    step,
+                    max_graphs=PREFIX_GRAPHS_KEPT,
+                    always_copy=PrefixStep.ALWAYS_COPY,
+                    share=self.graphs,
                 )
         self.graph_max_batch = graph_max_batch
         self.graph_frame_multiple = graph_frame_multiple
@@ -183,19 +190,30 @@ class FlowRunner:
                 len(self.prefix_graphs or ()),
             )
 
-    def capture_prefix_graphs(self, max_prefix: int = 800) -> None:
-        """Worker thread: the prefix graphs of block calls (one block of queries) for every row
-        bucket and padded prefix up to `max_prefix` frames; other shapes are captured when
-        first met."""
-        step = self.prefix_graphs.estimator
+    def prefix_graph_shapes(self, max_prefix: int = 800) -> list[tuple[int, int, int]]:
+        """(rows, padded prefix, query frames) of the prefix graphs captured before serving:
+        every row bucket and padded prefix up to `max_prefix` frames that `graphed` would send
+        to graphs, with 1, 2 or 4 blocks of queries (a block call; upstream's first chunk and
+        its second, hops of 25 and 50 tokens; its later ones, 100). Other shapes are captured
+        when first met, inside a batch: ~0.1 s each, which a burst of new streams pays once
+        per shape (the closed loop of 64 measured it: docs/bench/2026-12-06-h100.md)."""
         sizes = sorted({graph_rows(n) for n in range(1, self.graph_max_batch + 1)})
         block = self.prefix_cache.block
+        return [
+            (rows, prefix, queries)
+            for queries in (block, 2 * block, 4 * block)
+            for rows in sizes
+            for prefix in range(0, max_prefix + 1, GRAPH_PREFIX_MULTIPLE)
+            if graph_fits(rows, queries + prefix // 2, self.graph_max_batch, self.graph_max_frames)
+            and rows * (queries // block) <= self.prefix_cache.scratch_query_blocks
+        ]
+
+    def capture_prefix_graphs(self) -> None:
+        """Worker thread: capture `prefix_graph_shapes`."""
+        step = self.prefix_graphs.estimator
         with torch.inference_mode(), torch.cuda.stream(self.stream):
-            for rows in sizes:
-                if not graph_fits(rows, block, self.graph_max_batch, self.graph_max_frames):
-                    continue
-                for prefix in range(0, max_prefix + 1, GRAPH_PREFIX_MULTIPLE):
-                    self.prefix_graphs(*step.example_args(rows, prefix, block))
+            for rows, prefix, queries in self.prefix_graph_shapes():
+                self.prefix_graphs(*step.example_args(rows, prefix, queries))
         self.stream.synchronize()
 
     def graph_warmup_requests(self, max_frames: int = 800) -> list[list[FlowRequest]]:

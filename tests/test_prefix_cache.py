@@ -601,3 +601,50 @@ def test_indexed_kv_takes_strided_keys_and_bounds_its_scratch(model):
     cache.scratch_query_blocks = 0
     assert not runner.graphed([streams[0][1]], plan)
     cache.release(plan)
+
+
+def test_warm_up_captures_the_prefix_graph_shapes_of_the_upstream_schedule(model):
+    """What a graph replays is keyed by its inputs' shapes. The warm-up's shapes
+    (`FlowRunner.prefix_graph_shapes`, through `PrefixStep.example_args`) are those a stream's
+    calls give under upstream's schedule and as block calls: a first chunk over its voice's
+    shared prompt blocks, the later chunks, the 25-token blocks, with prefixes up to 800
+    frames. Shapes met first inside a batch cost a capture there (~0.1 s on a GPU each, paid
+    by a burst of new streams)."""
+    from flow_service.config import FlowConfig
+    from flow_service.model.prefix_cache import PrefixStep
+    from flow_service.runner import GRAPH_PREFIX_MULTIPLE, PREFIX_GRAPHS_KEPT, FlowRunner
+    from gateway.schedule import BlockPlanner
+
+    cache = new_cache(model, 256)
+    step = PrefixStep(model.decoder.estimator, cache)
+    met: set = set()
+
+    def recording(*args):
+        met.add(tuple((tuple(a.shape), a.dtype) for a in args))
+        return step(*args)
+
+    def solve(call):
+        model.generate(
+            [call], prefix_cache=cache, prefix_step=recording, prefix_multiple=GRAPH_PREFIX_MULTIPLE
+        )
+
+    for n_p in (75, 35):  # prompt pads 0 and 15
+        voice = make_voice(50, n_p)
+        solve(stream_calls(voice, f"first-{n_p}", 300, seed=0)[0])  # the voice's first stream
+        met.clear()  # stores its prompt blocks: the first chunk of a voice never seen differs
+        for call in stream_calls(voice, f"chunks-{n_p}", 400, seed=1)[:-2]:  # streaming calls
+            solve(call)
+        tokens = stream_calls(voice, "t", 400, seed=2)[-3].tokens
+        blocks = BlockPlanner(n_p)
+        for arrived in range(1, 300):  # tokens one at a time: a call per block
+            while (c := blocks.next_call(arrived)) is not None:
+                solve(FlowRequest(voice, tokens[: c.num_tokens], c.token_offset, False, True, "b"))
+    unbounded = FlowRunner(model, prefix_cache=cache, graph_max_frames=0)
+    assert len(unbounded.prefix_graph_shapes()) <= PREFIX_GRAPHS_KEPT  # none evicts another
+    runner = FlowRunner(model, prefix_cache=cache, graph_max_frames=FlowConfig.graph_max_frames)
+    shapes = runner.prefix_graph_shapes()
+    captured = {
+        tuple((tuple(a.shape), a.dtype) for a in step.example_args(*s)) for s in shapes if s[0] == 1
+    }
+    print(sorted((k[0][0][1], k[10][0][-1]) for k in met))
+    assert len(met) >= 6 and met <= captured
