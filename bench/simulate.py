@@ -418,9 +418,8 @@ class _Stream:
     blocks: BlockPlanner | None = None
     block_inflight: int = 0
     blocks_planned: bool = False  # every block call the input allows has gone out
-    block_done: dict = field(
-        default_factory=dict
-    )  # start token -> (end token, started, done, rows)
+    # start token -> (end token, started, done, rows) of each block whose mel is back
+    block_done: dict = field(default_factory=dict)
     assembling: deque = field(default_factory=deque)  # chunks waiting for their blocks
     final_held: tuple | None = None  # (final chunk, due) waiting for the last block
 

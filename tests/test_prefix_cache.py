@@ -646,5 +646,4 @@ def test_warm_up_captures_the_prefix_graph_shapes_of_the_upstream_schedule(model
     captured = {
         tuple((tuple(a.shape), a.dtype) for a in step.example_args(*s)) for s in shapes if s[0] == 1
     }
-    print(sorted((k[0][0][1], k[10][0][-1]) for k in met))
     assert len(met) >= 6 and met <= captured
