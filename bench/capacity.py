@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.metrics import STACK_TOLERANCE_S, excess_buffer_ms, percentiles
+from bench.metrics import STACK_TOLERANCE_S, excess_buffer_ms, percentiles, stall_post_mortem
 from bench.report import environment, run_name
 from bench.stack import Stack, StackConfig, free_port
 from bench.sweep import RunSpec, Sweep, SweepConfig, Target, one_line
@@ -109,6 +109,9 @@ def on_time_figures(run: dict, utterance_s: float, floors_ms: list[float] | None
         "concurrent_streams": rate * e2e["mean"] / 1e3 if rate and e2e.get("mean") else None,
         "xrt": m.get("xrt"),
         "errors": m.get("errors", {}),
+        "stalled": stall_post_mortem(
+            [s for s in admitted if s["status"] == "OK" and excess[id(s)] > tol_ms]
+        ),
     }
 
 
@@ -253,6 +256,17 @@ def _stages(st: dict | None) -> str:
     )
 
 
+def _stall_line(st: dict) -> str:
+    chunks = ", ".join(f"{k}: {n}" for k, n in st["chunk"].items())
+    return (
+        f"{st['streams']} streams (chunk {chunks}); {st['latency_ms']:.0f} ms against "
+        f"{st['first_chunk_latency_ms']:.0f}; flow {st['flow_queue_ms']:.0f} + "
+        f"{st['flow_compute_ms']:.0f} ({st['flow_batch_size']:.0f}), vocoder "
+        f"{st['vocoder_queue_ms']:.0f} + {st['vocoder_compute_ms']:.0f} "
+        f"({st['vocoder_batch_size']:.0f}), gateway {st['gateway_ms']:.0f}"
+    )
+
+
 def _plural(n: int, noun: str, suffix: str = "s") -> str:
     return f"{n} {noun}{'' if n == 1 else suffix}"
 
@@ -341,6 +355,18 @@ def render(result: dict) -> str:
                 f"| {_fmt(f['concurrent_streams'], '.0f')} | {'yes' if f['passed'] else 'no'} |"
             )
         lines.append("")
+        stalled = [
+            f for f in sorted(search_result["probes"], key=lambda f: f["rate"]) if f.get("stalled")
+        ]
+        if stalled:
+            lines += [
+                "Stalled streams: the chunk that sets each stall (by seq; medians over the "
+                "streams): its latency against the stream's first chunk's, then ms of flow "
+                "queue + compute (rows), vocoder queue + compute (rows), gateway total.",
+                "",
+            ]
+            lines += [f"- {f['rate']:.2f}/s: {_stall_line(f['stalled'])}" for f in stalled]
+            lines.append("")
     if result.get("overload"):
         o = result["overload"]
         f = o["figures"]

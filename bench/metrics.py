@@ -166,6 +166,46 @@ def excess_buffer_ms(
     return max(0.0, buffer - forced)
 
 
+def stall_chunk(stream: dict) -> int | None:
+    """The chunk that sets a stream's needed start buffer (`stream_summary`'s line): the one
+    that arrives latest against when the player reaches it, had it started at chunk 0."""
+    arrivals = stream.get("chunk_arrivals_ms")
+    if not arrivals:
+        return None
+    offsets = np.concatenate([[0.0], np.cumsum(stream["chunk_samples"][:-1])]) / SAMPLE_RATE
+    return int(np.argmax(np.asarray(arrivals) - arrivals[0] - offsets * 1e3))
+
+
+def stall_post_mortem(streams: list[dict]) -> dict | None:
+    """For stalled streams' lines: where the chunk that sets each stall spent its time,
+    medians over the streams, beside the same stream's first chunk (with the token input
+    leaving no slack, a later chunk may take at most 20 ms longer than the first)."""
+    rows = []
+    for s in streams:
+        k = stall_chunk(s)
+        timing = s.get("chunk_timing_ms")
+        if k is None or not timing or k >= len(timing):
+            continue
+        lat = s["chunk_latency_ms"]
+        rows.append((k, len(lat), lat[k], lat[0], *timing[k]))
+    if not rows:
+        return None
+    t = np.asarray(rows, np.float64)
+    med = lambda col: float(np.median(t[:, col]))  # noqa: E731
+    seqs: dict[str, int] = {}
+    for k, n in t[:, :2].astype(int):
+        key = "final" if k == n - 1 else str(k)
+        seqs[key] = seqs.get(key, 0) + 1
+    fields = dict(zip(TIMING_FIELDS, range(4, 4 + len(TIMING_FIELDS))))
+    return {
+        "streams": len(rows),
+        "chunk": dict(sorted(seqs.items())),
+        "latency_ms": med(2),
+        "first_chunk_latency_ms": med(3),
+        **{name: med(col) for name, col in fields.items()},
+    }
+
+
 def percentiles(values) -> dict | None:
     """p50/p95/p99/mean/max/n; linear interpolation keeps p50 <= p95 <= p99 <= max."""
     arr = np.asarray(values, np.float64)
@@ -289,6 +329,7 @@ def stream_summary(rec: StreamRecord, t0: float) -> dict:
             round((a - rec.ready_at(seq)) * 1e3, 3) for seq, a in zip(rec.seqs, rec.arrivals)
         ]
         out["chunk_samples"] = list(rec.num_samples)
+        out["chunk_timing_ms"] = [[round(x, 2) for x in t] for t in rec.timings]  # TIMING_FIELDS
         pb = simulate_playback(rec)
         out["underruns"] = pb.underruns
         out["stall_s"] = pb.stall_s

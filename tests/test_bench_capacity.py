@@ -199,3 +199,31 @@ def test_zero_compute_capacity_is_the_highest_probe_passing_without_floors():
     }
     text = render(result)
     assert "highest probed rate that passes: **5.00 streams/s = 50 audio s/s**" in text
+
+
+def test_stall_post_mortem_names_the_chunk_that_sets_the_stall_and_its_stages():
+    from bench.metrics import stall_chunk, stall_post_mortem
+
+    sec = 24000  # samples of one second of audio
+    # chunk 0 at 100 ms plays 1 s; chunk 1 is needed at 1100 ms and comes at 1180 (80 ms
+    # short), chunk 2 is needed at 3100 and comes at 3130 (30 ms): chunk 1 sets the buffer.
+    s = {
+        "chunk_arrivals_ms": [100.0, 1180.0, 3130.0],
+        "chunk_latency_ms": [50.0, 130.0, 80.0],
+        "chunk_samples": [sec, 2 * sec, sec],
+        "chunk_timing_ms": [
+            [1.0, 30.0, 1, 2.0, 10.0, 1, 45.0],
+            [60.0, 40.0, 8, 3.0, 12.0, 4, 120.0],
+            [5.0, 35.0, 2, 2.0, 11.0, 1, 60.0],
+        ],
+    }
+    assert stall_chunk(s) == 1
+    late_final = dict(s, chunk_arrivals_ms=[100.0, 1100.0, 3300.0])
+    assert stall_chunk(late_final) == 2
+    pm = stall_post_mortem([s, late_final, {"status": "OK"}])
+    assert pm["streams"] == 2
+    assert pm["chunk"] == {"1": 1, "final": 1}
+    assert pm["flow_queue_ms"] == pytest.approx((60.0 + 5.0) / 2)
+    assert pm["latency_ms"] == pytest.approx((130.0 + 80.0) / 2)
+    assert pm["first_chunk_latency_ms"] == 50.0
+    assert stall_post_mortem([{"status": "OK"}]) is None
