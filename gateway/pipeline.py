@@ -79,6 +79,7 @@ class StreamSetup:
     deadline: float | None  # monotonic, from the client's deadline
     # A resumed stream (StreamConfig.resume_from_sample): the client has the samples before it.
     resume_from_sample: int = 0
+    start_buffer_s: float | None = None  # StreamConfig.start_buffer_ms; None: the gateway's
 
 
 def to_client_audio(audio: common_pb2.Tensor, audio_format: int, skip: int = 0) -> bytes:
@@ -448,7 +449,10 @@ class StreamPipeline:
         wait for the GPU becomes a pause in playback; starting playback a little later gives
         every later chunk that much slack. A first chunk later than the buffer goes out at once;
         a stream whose input has ended needs no buffer (all its chunks can be computed ahead)."""
-        wait = ready_at + self.limits.start_buffer_s - time.monotonic()
+        buffer = self.setup.start_buffer_s
+        if buffer is None:
+            buffer = self.limits.start_buffer_s
+        wait = ready_at + buffer - time.monotonic()
         if wait <= 0 or self.ended:
             return
         await asyncio.wait({self._failure}, timeout=wait)

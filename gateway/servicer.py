@@ -32,6 +32,7 @@ from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
 logger = logging.getLogger(__name__)
 
 MAX_SAMPLES = MAX_FRAMES // TOKEN_MEL_RATIO * SAMPLES_PER_TOKEN  # 300 s, prompt included
+MAX_START_BUFFER_MS = 2000  # a start buffer past 2 s is a client bug, not a latency choice
 
 
 class VoiceRegistry:
@@ -137,9 +138,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise InvalidArgument(
                 "config.resume_from_sample", f"{resume} is past the longest stream (300 s)"
             )
+        start_buffer = None
+        if cfg.HasField("start_buffer_ms"):
+            if cfg.start_buffer_ms > MAX_START_BUFFER_MS:
+                raise InvalidArgument(
+                    "config.start_buffer_ms",
+                    f"{cfg.start_buffer_ms} is over the most, {MAX_START_BUFFER_MS} ms",
+                )
+            start_buffer = cfg.start_buffer_ms / 1e3
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        return StreamSetup(request_id, voice, fmt, schedule, deadline, resume), output
+        setup = StreamSetup(request_id, voice, fmt, schedule, deadline, resume, start_buffer)
+        return setup, output
 
     async def Synthesize(self, request_iterator, context):
         inbound = Inbound(request_iterator, self.inbound)

@@ -8,7 +8,8 @@ counts all WebSocket clients as one; with tokens each token is its own client):
 1. The client sends one text message, a JSON object: `voice_id` (a registered voice) or
    `voice` (`prompt_token`: [ids], `prompt_feat`: [[80 floats] x 2 x ids], `embedding`:
    [192 floats]); optional `request_id`, `audio_format` ("pcm16" default, "float32", "wav",
-   "mulaw", "alaw", "opus_ogg", "opus_packets", "mp3"), `sample_rate` (24000 default), `token` (the
+   "mulaw", "alaw", "opus_ogg", "opus_packets", "mp3"), `sample_rate` (24000 default),
+   `start_buffer_ms` (StreamConfig's; absent: the gateway's --start-buffer-ms), `token` (the
    bearer token when the gateway runs --auth-tokens; an `Authorization: Bearer` header on the
    upgrade request works too).
 2. Then tokens: text messages holding a JSON array of ids, or binary messages of
@@ -58,7 +59,15 @@ CLOSE_TIMEOUT_S = 2.0  # a peer that does not answer our close frame is cut afte
 CLOSE_ERROR_BASE = 4000  # + grpc.StatusCode's number
 CLOSE_REASON_BYTES = 123  # RFC 6455: a close frame's reason fits in 123 bytes
 STATIC_DIR = Path(__file__).with_name("static")
-CONFIG_KEYS = {"voice_id", "voice", "request_id", "audio_format", "sample_rate", "token"}
+CONFIG_KEYS = {
+    "voice_id",
+    "voice",
+    "request_id",
+    "audio_format",
+    "sample_rate",
+    "start_buffer_ms",
+    "token",
+}
 FORMAT_NAMES = {f.name.lower(): f for f in AudioFormat}
 
 
@@ -98,6 +107,11 @@ def stream_config(obj) -> tuple[gateway_pb2.StreamConfig, str]:
     if not isinstance(rate, int) or isinstance(rate, bool) or rate < 0:
         raise BadSocketInput("config.sample_rate: want an integer number of Hz")
     cfg.sample_rate = rate
+    if "start_buffer_ms" in obj:  # absent: the gateway's default (the servicer bounds it)
+        ms = obj["start_buffer_ms"]
+        if not isinstance(ms, int) or isinstance(ms, bool) or not 0 <= ms < 2**32:
+            raise BadSocketInput("config.start_buffer_ms: want an integer number of ms >= 0")
+        cfg.start_buffer_ms = ms
     token = obj.get("token", "")
     if not isinstance(token, str):
         raise BadSocketInput("config.token: want a string")

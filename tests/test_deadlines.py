@@ -593,3 +593,29 @@ async def test_start_buffer_holds_the_first_audio_of_an_open_stream_only(models)
         check_exactly_once(chunks, len(tokens))
     finally:
         await stack.stop()
+
+
+async def test_a_stream_sets_its_own_start_buffer_both_ways(models):
+    voice, tokens = stream_inputs(6, 20, 60)
+    stack = await start_stack(models, "--start-buffer-ms=60000")  # would outlast the test
+    try:
+        async with AsyncClient(stack.target) as client:
+
+            async def first_after_send(**kw):
+                stream = client.stream(voice, **kw)
+                sent = time.perf_counter()
+                await stream.send(tokens)  # the input stays open until the first audio
+                chunks = stream.__aiter__()
+                first = await asyncio.wait_for(chunks.__anext__(), 30)
+                await stream.end()
+                check_exactly_once([first, *[c async for c in chunks]], len(tokens))
+                return first.received_at - sent
+
+            assert await first_after_send(start_buffer_ms=0) < 30  # not held at all
+            assert await first_after_send(start_buffer_ms=1500) >= 1.5  # held, by its own
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await first_after_send(start_buffer_ms=2001)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "config.start_buffer_ms" in err.value.details()
+    finally:
+        await stack.stop()

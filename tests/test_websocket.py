@@ -94,6 +94,7 @@ async def test_websocket_streams_what_grpc_streams(bridged):
     assert snr_db(ref, got) > 50
     # A rate and a format, by name, as gRPC has them.
     config = {"voice": voice_json(voice), "audio_format": "mulaw", "sample_rate": 8000}
+    config["start_buffer_ms"] = 0  # StreamConfig's, passed on (the servicer bounds it)
     chunks, code, _ = await ws_stream(url, config, tokens)
     assert code == 1000 and sum(c[2] for c in chunks) == 50 * 320
     assert sum(len(c[5]) for c in chunks) == 50 * 320  # one byte a sample
@@ -107,6 +108,8 @@ async def test_websocket_errors_are_close_codes_naming_the_field(bridged):
         ({"voice": voice_json(voice), "colour": "blue"}, tokens, 4003, "config.colour"),
         ({"voice": voice_json(voice), "audio_format": "aac"}, tokens, 4003, "audio_format"),
         ({"voice": voice_json(voice), "audio_format": "alaw"}, tokens, 4003, "config.sample_rate"),
+        ({"voice": voice_json(voice), "start_buffer_ms": -1}, tokens, 4003, "start_buffer_ms"),
+        ({"voice": voice_json(voice), "start_buffer_ms": 5000}, tokens, 4003, "start_buffer_ms"),
         ({"voice_id": "v1-" + "0" * 32}, tokens, 4005, "voice"),
         ({"voice": voice_json(voice)}, [1, 2, 7000], 4003, "tokens"),
     ]

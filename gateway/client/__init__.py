@@ -244,10 +244,13 @@ def _config(
     request_id: str,
     schedule: gateway_pb2.ChunkSchedule | None,
     sample_rate: int = 0,
+    start_buffer_ms: int | None = None,
 ) -> gateway_pb2.SynthesizeRequest:
     cfg = gateway_pb2.StreamConfig(
         request_id=request_id, audio_format=FORMATS[audio_format], sample_rate=sample_rate
     )
+    if start_buffer_ms is not None:  # None: the gateway's --start-buffer-ms
+        cfg.start_buffer_ms = start_buffer_ms
     if isinstance(voice, str):
         cfg.voice_id = voice
     else:
@@ -350,6 +353,7 @@ class _StreamState:
         metadata=(),
         max_message_mb=DEFAULT_MAX_MESSAGE_MB,
         sample_rate=0,
+        start_buffer_ms=None,
         stubs=None,
         resume_attempts=3,
         resume_within_s=30.0,
@@ -360,7 +364,7 @@ class _StreamState:
         # the resumed stream must carry the same id; the gateway would make a new one
         request_id = request_id or (uuid.uuid4().hex if can_resume else "")
         self._config = self._out.config(
-            _config(voice, audio_format, request_id, schedule, sample_rate)
+            _config(voice, audio_format, request_id, schedule, sample_rate, start_buffer_ms)
         )
         self._stubs = stubs or [stub]
         self._target = self._stubs.index(stub) if stub in self._stubs else 0

@@ -25,43 +25,43 @@ _sym_db = _symbol_database.Default()
 from token2wav.v1 import common_pb2 as token2wav_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atoken2wav/v1/gateway.proto\x12\x0ctoken2wav.v1\x1a\x19token2wav/v1/common.proto\"\xa1\x01\n\x11SynthesizeRequest\x12,\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1a.token2wav.v1.StreamConfigH\x00\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.token2wav.v1.TokenChunkH\x00\x12\'\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x18.token2wav.v1.EndOfInputH\x00\x42\t\n\x07message\"\xfd\x01\n\x0cStreamConfig\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x0cinline_voice\x18\x02 \x01(\x0b\x32\x13.token2wav.v1.VoiceH\x00\x12\x12\n\x08voice_id\x18\x03 \x01(\tH\x00\x12/\n\x0c\x61udio_format\x18\x04 \x01(\x0e\x32\x19.token2wav.v1.AudioFormat\x12-\n\x08schedule\x18\x05 \x01(\x0b\x32\x1b.token2wav.v1.ChunkSchedule\x12\x13\n\x0bsample_rate\x18\x06 \x01(\r\x12\x1a\n\x12resume_from_sample\x18\x07 \x01(\x04\x42\x07\n\x05voice\"\xd1\x01\n\rChunkSchedule\x12\x18\n\x10\x66irst_hop_tokens\x18\x01 \x01(\r\x12\x16\n\x0emax_hop_tokens\x18\x02 \x01(\r\x12\x11\n\thop_scale\x18\x03 \x01(\r\x12\x1a\n\x12\x64isable_prompt_pad\x18\x04 \x01(\x08\x12(\n\x04kind\x18\x05 \x01(\x0e\x32\x1a.token2wav.v1.ScheduleKind\x12\x35\n\x0f\x66inal_attention\x18\x06 \x01(\x0e\x32\x1c.token2wav.v1.FinalAttention\"\x1c\n\nTokenChunk\x12\x0e\n\x06tokens\x18\x01 \x03(\x04\"\x0c\n\nEndOfInput\"\xbc\x01\n\x0b\x43hunkTiming\x12\x15\n\rflow_queue_ms\x18\x01 \x01(\x02\x12\x17\n\x0f\x66low_compute_ms\x18\x02 \x01(\x02\x12\x17\n\x0f\x66low_batch_size\x18\x03 \x01(\r\x12\x18\n\x10vocoder_queue_ms\x18\x04 \x01(\x02\x12\x1a\n\x12vocoder_compute_ms\x18\x05 \x01(\x02\x12\x1a\n\x12vocoder_batch_size\x18\x06 \x01(\r\x12\x12\n\ngateway_ms\x18\x07 \x01(\x02\"\xf3\x01\n\x12SynthesizeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x15\n\rsample_offset\x18\x03 \x01(\x04\x12\x13\n\x0bsample_rate\x18\x04 \x01(\r\x12/\n\x0c\x61udio_format\x18\x05 \x01(\x0e\x32\x19.token2wav.v1.AudioFormat\x12\r\n\x05\x61udio\x18\x06 \x01(\x0c\x12\x13\n\x0bnum_samples\x18\x07 \x01(\r\x12\x10\n\x08is_final\x18\x08 \x01(\x08\x12)\n\x06timing\x18\t \x01(\x0b\x32\x19.token2wav.v1.ChunkTiming\"\x86\x01\n\x14RegisterVoiceRequest\x12\"\n\x05voice\x18\x01 \x01(\x0b\x32\x13.token2wav.v1.Voice\x12\x14\n\naudio_file\x18\x02 \x01(\x0cH\x00\x12+\n\taudio_pcm\x18\x03 \x01(\x0b\x32\x16.token2wav.v1.PcmAudioH\x00\x42\x07\n\x05\x61udio\"F\n\x08PcmAudio\x12%\n\x07samples\x18\x01 \x01(\x0b\x32\x14.token2wav.v1.Tensor\x12\x13\n\x0bsample_rate\x18\x02 \x01(\r\"\x8a\x01\n\x15RegisterVoiceResponse\x12\x10\n\x08voice_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\x12*\n\x0cprompt_token\x18\x03 \x01(\x0b\x32\x14.token2wav.v1.Tensor\x12\"\n\x05voice\x18\x04 \x01(\x0b\x32\x13.token2wav.v1.Voice\"&\n\x12\x44\x65leteVoiceRequest\x12\x10\n\x08voice_id\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteVoiceResponse*\xf2\x01\n\x0b\x41udioFormat\x12\x1c\n\x18\x41UDIO_FORMAT_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41UDIO_FORMAT_PCM16\x10\x01\x12\x18\n\x14\x41UDIO_FORMAT_FLOAT32\x10\x02\x12\x16\n\x12\x41UDIO_FORMAT_MULAW\x10\x03\x12\x15\n\x11\x41UDIO_FORMAT_ALAW\x10\x04\x12\x19\n\x15\x41UDIO_FORMAT_OPUS_OGG\x10\x05\x12\x1d\n\x19\x41UDIO_FORMAT_OPUS_PACKETS\x10\x06\x12\x14\n\x10\x41UDIO_FORMAT_WAV\x10\x07\x12\x14\n\x10\x41UDIO_FORMAT_MP3\x10\x08*c\n\x0cScheduleKind\x12\x1d\n\x19SCHEDULE_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16SCHEDULE_KIND_UPSTREAM\x10\x01\x12\x18\n\x14SCHEDULE_KIND_BLOCKS\x10\x02*h\n\x0e\x46inalAttention\x12\x1f\n\x1b\x46INAL_ATTENTION_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INAL_ATTENTION_FULL\x10\x01\x12\x1b\n\x17\x46INAL_ATTENTION_CHUNKED\x10\x02\x32\x8c\x02\n\x07Gateway\x12S\n\nSynthesize\x12\x1f.token2wav.v1.SynthesizeRequest\x1a .token2wav.v1.SynthesizeResponse(\x01\x30\x01\x12X\n\rRegisterVoice\x12\".token2wav.v1.RegisterVoiceRequest\x1a#.token2wav.v1.RegisterVoiceResponse\x12R\n\x0b\x44\x65leteVoice\x12 .token2wav.v1.DeleteVoiceRequest\x1a!.token2wav.v1.DeleteVoiceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atoken2wav/v1/gateway.proto\x12\x0ctoken2wav.v1\x1a\x19token2wav/v1/common.proto\"\xa1\x01\n\x11SynthesizeRequest\x12,\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1a.token2wav.v1.StreamConfigH\x00\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.token2wav.v1.TokenChunkH\x00\x12\'\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x18.token2wav.v1.EndOfInputH\x00\x42\t\n\x07message\"\xaf\x02\n\x0cStreamConfig\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x0cinline_voice\x18\x02 \x01(\x0b\x32\x13.token2wav.v1.VoiceH\x00\x12\x12\n\x08voice_id\x18\x03 \x01(\tH\x00\x12/\n\x0c\x61udio_format\x18\x04 \x01(\x0e\x32\x19.token2wav.v1.AudioFormat\x12-\n\x08schedule\x18\x05 \x01(\x0b\x32\x1b.token2wav.v1.ChunkSchedule\x12\x13\n\x0bsample_rate\x18\x06 \x01(\r\x12\x1a\n\x12resume_from_sample\x18\x07 \x01(\x04\x12\x1c\n\x0fstart_buffer_ms\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05voiceB\x12\n\x10_start_buffer_ms\"\xd1\x01\n\rChunkSchedule\x12\x18\n\x10\x66irst_hop_tokens\x18\x01 \x01(\r\x12\x16\n\x0emax_hop_tokens\x18\x02 \x01(\r\x12\x11\n\thop_scale\x18\x03 \x01(\r\x12\x1a\n\x12\x64isable_prompt_pad\x18\x04 \x01(\x08\x12(\n\x04kind\x18\x05 \x01(\x0e\x32\x1a.token2wav.v1.ScheduleKind\x12\x35\n\x0f\x66inal_attention\x18\x06 \x01(\x0e\x32\x1c.token2wav.v1.FinalAttention\"\x1c\n\nTokenChunk\x12\x0e\n\x06tokens\x18\x01 \x03(\x04\"\x0c\n\nEndOfInput\"\xbc\x01\n\x0b\x43hunkTiming\x12\x15\n\rflow_queue_ms\x18\x01 \x01(\x02\x12\x17\n\x0f\x66low_compute_ms\x18\x02 \x01(\x02\x12\x17\n\x0f\x66low_batch_size\x18\x03 \x01(\r\x12\x18\n\x10vocoder_queue_ms\x18\x04 \x01(\x02\x12\x1a\n\x12vocoder_compute_ms\x18\x05 \x01(\x02\x12\x1a\n\x12vocoder_batch_size\x18\x06 \x01(\r\x12\x12\n\ngateway_ms\x18\x07 \x01(\x02\"\xf3\x01\n\x12SynthesizeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x15\n\rsample_offset\x18\x03 \x01(\x04\x12\x13\n\x0bsample_rate\x18\x04 \x01(\r\x12/\n\x0c\x61udio_format\x18\x05 \x01(\x0e\x32\x19.token2wav.v1.AudioFormat\x12\r\n\x05\x61udio\x18\x06 \x01(\x0c\x12\x13\n\x0bnum_samples\x18\x07 \x01(\r\x12\x10\n\x08is_final\x18\x08 \x01(\x08\x12)\n\x06timing\x18\t \x01(\x0b\x32\x19.token2wav.v1.ChunkTiming\"\x86\x01\n\x14RegisterVoiceRequest\x12\"\n\x05voice\x18\x01 \x01(\x0b\x32\x13.token2wav.v1.Voice\x12\x14\n\naudio_file\x18\x02 \x01(\x0cH\x00\x12+\n\taudio_pcm\x18\x03 \x01(\x0b\x32\x16.token2wav.v1.PcmAudioH\x00\x42\x07\n\x05\x61udio\"F\n\x08PcmAudio\x12%\n\x07samples\x18\x01 \x01(\x0b\x32\x14.token2wav.v1.Tensor\x12\x13\n\x0bsample_rate\x18\x02 \x01(\r\"\x8a\x01\n\x15RegisterVoiceResponse\x12\x10\n\x08voice_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\x12*\n\x0cprompt_token\x18\x03 \x01(\x0b\x32\x14.token2wav.v1.Tensor\x12\"\n\x05voice\x18\x04 \x01(\x0b\x32\x13.token2wav.v1.Voice\"&\n\x12\x44\x65leteVoiceRequest\x12\x10\n\x08voice_id\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteVoiceResponse*\xf2\x01\n\x0b\x41udioFormat\x12\x1c\n\x18\x41UDIO_FORMAT_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41UDIO_FORMAT_PCM16\x10\x01\x12\x18\n\x14\x41UDIO_FORMAT_FLOAT32\x10\x02\x12\x16\n\x12\x41UDIO_FORMAT_MULAW\x10\x03\x12\x15\n\x11\x41UDIO_FORMAT_ALAW\x10\x04\x12\x19\n\x15\x41UDIO_FORMAT_OPUS_OGG\x10\x05\x12\x1d\n\x19\x41UDIO_FORMAT_OPUS_PACKETS\x10\x06\x12\x14\n\x10\x41UDIO_FORMAT_WAV\x10\x07\x12\x14\n\x10\x41UDIO_FORMAT_MP3\x10\x08*c\n\x0cScheduleKind\x12\x1d\n\x19SCHEDULE_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16SCHEDULE_KIND_UPSTREAM\x10\x01\x12\x18\n\x14SCHEDULE_KIND_BLOCKS\x10\x02*h\n\x0e\x46inalAttention\x12\x1f\n\x1b\x46INAL_ATTENTION_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INAL_ATTENTION_FULL\x10\x01\x12\x1b\n\x17\x46INAL_ATTENTION_CHUNKED\x10\x02\x32\x8c\x02\n\x07Gateway\x12S\n\nSynthesize\x12\x1f.token2wav.v1.SynthesizeRequest\x1a .token2wav.v1.SynthesizeResponse(\x01\x30\x01\x12X\n\rRegisterVoice\x12\".token2wav.v1.RegisterVoiceRequest\x1a#.token2wav.v1.RegisterVoiceResponse\x12R\n\x0b\x44\x65leteVoice\x12 .token2wav.v1.DeleteVoiceRequest\x1a!.token2wav.v1.DeleteVoiceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'token2wav.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_AUDIOFORMAT']._serialized_start=1598
-  _globals['_AUDIOFORMAT']._serialized_end=1840
-  _globals['_SCHEDULEKIND']._serialized_start=1842
-  _globals['_SCHEDULEKIND']._serialized_end=1941
-  _globals['_FINALATTENTION']._serialized_start=1943
-  _globals['_FINALATTENTION']._serialized_end=2047
+  _globals['_AUDIOFORMAT']._serialized_start=1648
+  _globals['_AUDIOFORMAT']._serialized_end=1890
+  _globals['_SCHEDULEKIND']._serialized_start=1892
+  _globals['_SCHEDULEKIND']._serialized_end=1991
+  _globals['_FINALATTENTION']._serialized_start=1993
+  _globals['_FINALATTENTION']._serialized_end=2097
   _globals['_SYNTHESIZEREQUEST']._serialized_start=72
   _globals['_SYNTHESIZEREQUEST']._serialized_end=233
   _globals['_STREAMCONFIG']._serialized_start=236
-  _globals['_STREAMCONFIG']._serialized_end=489
-  _globals['_CHUNKSCHEDULE']._serialized_start=492
-  _globals['_CHUNKSCHEDULE']._serialized_end=701
-  _globals['_TOKENCHUNK']._serialized_start=703
-  _globals['_TOKENCHUNK']._serialized_end=731
-  _globals['_ENDOFINPUT']._serialized_start=733
-  _globals['_ENDOFINPUT']._serialized_end=745
-  _globals['_CHUNKTIMING']._serialized_start=748
-  _globals['_CHUNKTIMING']._serialized_end=936
-  _globals['_SYNTHESIZERESPONSE']._serialized_start=939
-  _globals['_SYNTHESIZERESPONSE']._serialized_end=1182
-  _globals['_REGISTERVOICEREQUEST']._serialized_start=1185
-  _globals['_REGISTERVOICEREQUEST']._serialized_end=1319
-  _globals['_PCMAUDIO']._serialized_start=1321
-  _globals['_PCMAUDIO']._serialized_end=1391
-  _globals['_REGISTERVOICERESPONSE']._serialized_start=1394
-  _globals['_REGISTERVOICERESPONSE']._serialized_end=1532
-  _globals['_DELETEVOICEREQUEST']._serialized_start=1534
-  _globals['_DELETEVOICEREQUEST']._serialized_end=1572
-  _globals['_DELETEVOICERESPONSE']._serialized_start=1574
-  _globals['_DELETEVOICERESPONSE']._serialized_end=1595
-  _globals['_GATEWAY']._serialized_start=2050
-  _globals['_GATEWAY']._serialized_end=2318
+  _globals['_STREAMCONFIG']._serialized_end=539
+  _globals['_CHUNKSCHEDULE']._serialized_start=542
+  _globals['_CHUNKSCHEDULE']._serialized_end=751
+  _globals['_TOKENCHUNK']._serialized_start=753
+  _globals['_TOKENCHUNK']._serialized_end=781
+  _globals['_ENDOFINPUT']._serialized_start=783
+  _globals['_ENDOFINPUT']._serialized_end=795
+  _globals['_CHUNKTIMING']._serialized_start=798
+  _globals['_CHUNKTIMING']._serialized_end=986
+  _globals['_SYNTHESIZERESPONSE']._serialized_start=989
+  _globals['_SYNTHESIZERESPONSE']._serialized_end=1232
+  _globals['_REGISTERVOICEREQUEST']._serialized_start=1235
+  _globals['_REGISTERVOICEREQUEST']._serialized_end=1369
+  _globals['_PCMAUDIO']._serialized_start=1371
+  _globals['_PCMAUDIO']._serialized_end=1441
+  _globals['_REGISTERVOICERESPONSE']._serialized_start=1444
+  _globals['_REGISTERVOICERESPONSE']._serialized_end=1582
+  _globals['_DELETEVOICEREQUEST']._serialized_start=1584
+  _globals['_DELETEVOICEREQUEST']._serialized_end=1622
+  _globals['_DELETEVOICERESPONSE']._serialized_start=1624
+  _globals['_DELETEVOICERESPONSE']._serialized_end=1645
+  _globals['_GATEWAY']._serialized_start=2100
+  _globals['_GATEWAY']._serialized_end=2368
 # @@protoc_insertion_point(module_scope)

@@ -58,7 +58,7 @@ class SynthesizeRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[StreamConfig, _Mapping]] = ..., tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., end: _Optional[_Union[EndOfInput, _Mapping]] = ...) -> None: ...
 
 class StreamConfig(_message.Message):
-    __slots__ = ("request_id", "inline_voice", "voice_id", "audio_format", "schedule", "sample_rate", "resume_from_sample")
+    __slots__ = ("request_id", "inline_voice", "voice_id", "audio_format", "schedule", "sample_rate", "resume_from_sample", "start_buffer_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INLINE_VOICE_FIELD_NUMBER: _ClassVar[int]
     VOICE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class StreamConfig(_message.Message):
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    START_BUFFER_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inline_voice: _common_pb2.Voice
     voice_id: str
@@ -73,7 +74,8 @@ class StreamConfig(_message.Message):
     schedule: ChunkSchedule
     sample_rate: int
     resume_from_sample: int
-    def __init__(self, request_id: _Optional[str] = ..., inline_voice: _Optional[_Union[_common_pb2.Voice, _Mapping]] = ..., voice_id: _Optional[str] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., schedule: _Optional[_Union[ChunkSchedule, _Mapping]] = ..., sample_rate: _Optional[int] = ..., resume_from_sample: _Optional[int] = ...) -> None: ...
+    start_buffer_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., inline_voice: _Optional[_Union[_common_pb2.Voice, _Mapping]] = ..., voice_id: _Optional[str] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., schedule: _Optional[_Union[ChunkSchedule, _Mapping]] = ..., sample_rate: _Optional[int] = ..., resume_from_sample: _Optional[int] = ..., start_buffer_ms: _Optional[int] = ...) -> None: ...
 
 class ChunkSchedule(_message.Message):
     __slots__ = ("first_hop_tokens", "max_hop_tokens", "hop_scale", "disable_prompt_pad", "kind", "final_attention")
