@@ -128,6 +128,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "prompts, 1-30 s utterances, three in four paced at 40-120 tokens/s in bursts "
         "(bench/workload.py), whatever --prompt-tokens, --utterance-tokens and --pace say",
     )
+    w.add_argument(
+        "--start-buffer-ms",
+        type=int,
+        default=None,
+        help="StreamConfig.start_buffer_ms of every stream (default: unset, the gateway's "
+        "--start-buffer-ms)",
+    )
     w.add_argument("--warmup-streams", type=int, default=4, help="per run, not measured")
     w.add_argument("--stream-timeout", type=float, default=600.0, help="deadline per stream, s")
     w.add_argument(
@@ -316,7 +323,14 @@ def run_benchmark(
 ) -> tuple[list[dict], Path]:
     cfg = _sweep_config(a)
     workload = WorkloadConfig(
-        a.prompt_tokens, a.utterance_tokens, a.pace, a.seed, a.audio_format, a.schedule, a.mix
+        a.prompt_tokens,
+        a.utterance_tokens,
+        a.pace,
+        a.seed,
+        a.audio_format,
+        a.schedule,
+        a.mix,
+        a.start_buffer_ms,
     )
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -480,7 +480,14 @@ def run(a, argv: list[str]) -> dict:
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     workload = WorkloadConfig(
-        a.prompt_tokens, a.utterance_tokens, 0.0, a.seed, a.audio_format, a.schedule, a.mix
+        a.prompt_tokens,
+        a.utterance_tokens,
+        0.0,
+        a.seed,
+        a.audio_format,
+        a.schedule,
+        a.mix,
+        a.start_buffer_ms,
     )
     mixed = workload.mix == "mixed"
     if mixed and tuple(a.paces) != (0.0,):

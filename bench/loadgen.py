@@ -145,6 +145,7 @@ async def drive_stream(
         request_id=rec.stream_id,
         timeout=timeout,
         schedule=gateway_pb2.ChunkSchedule(kind=SCHEDULE_KINDS[workload.schedule]),
+        start_buffer_ms=workload.start_buffer_ms,
     )
     feeder = asyncio.ensure_future(_feed(stream, tokens, pace, rec, burst))
     try:

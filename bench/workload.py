@@ -57,6 +57,8 @@ class WorkloadConfig:
     # uniform: every stream has the prompt, length and pace above; mixed: each its own
     # (`StreamShape`, the MIX_ constants), whatever those three say
     mix: str = "uniform"
+    # StreamConfig.start_buffer_ms each stream sends; None: unset (the gateway's default)
+    start_buffer_ms: int | None = None
 
     def __post_init__(self):
         if not 1 <= self.prompt_tokens <= 750:
@@ -71,6 +73,8 @@ class WorkloadConfig:
             raise InvalidConfig("schedule", f"{self.schedule!r}, want upstream or blocks")
         if self.mix not in MIXES:
             raise InvalidConfig("mix", f"{self.mix!r}, want uniform or mixed")
+        if self.start_buffer_ms is not None and not 0 <= self.start_buffer_ms <= 2000:
+            raise InvalidConfig("start_buffer_ms", f"{self.start_buffer_ms}, want 0..2000 ms")
 
     def shape(self, index: int) -> StreamShape:
         """Stream `index`'s voice, length and pace."""

@@ -140,6 +140,8 @@ def test_workload_is_seeded_and_validated():
     with pytest.raises(InvalidConfig) as err:
         WorkloadConfig(pace=-1)
     assert err.value.field == "pace"
+    with pytest.raises(InvalidConfig, match="start_buffer_ms"):
+        WorkloadConfig(start_buffer_ms=2001)  # the gateway's bound: caught before any stack
     arrivals = poisson_arrivals(0, 4.0, 100.0)
     assert np.all(np.diff(arrivals) > 0) and arrivals[-1] < 100.0
     assert 300 < arrivals.size < 500  # 400 expected; a Poisson count within ~5 sigma
