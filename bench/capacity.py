@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.metrics import STACK_TOLERANCE_S, excess_buffer_ms, percentiles, stall_post_mortem
-from bench.report import environment, run_name
+from bench.report import environment, run_name, stall_line
 from bench.stack import Stack, StackConfig, free_port
 from bench.sweep import RunSpec, Sweep, SweepConfig, Target, one_line
 from bench.workload import InvalidConfig, WorkloadConfig
@@ -256,17 +256,6 @@ def _stages(st: dict | None) -> str:
     )
 
 
-def _stall_line(st: dict) -> str:
-    chunks = ", ".join(f"{k}: {n}" for k, n in st["chunk"].items())
-    return (
-        f"{st['streams']} streams (chunk {chunks}); {st['latency_ms']:.0f} ms against "
-        f"{st['first_chunk_latency_ms']:.0f}; flow {st['flow_queue_ms']:.0f} + "
-        f"{st['flow_compute_ms']:.0f} ({st['flow_batch_size']:.0f}), vocoder "
-        f"{st['vocoder_queue_ms']:.0f} + {st['vocoder_compute_ms']:.0f} "
-        f"({st['vocoder_batch_size']:.0f}), gateway {st['gateway_ms']:.0f}"
-    )
-
-
 def _plural(n: int, noun: str, suffix: str = "s") -> str:
     return f"{n} {noun}{'' if n == 1 else suffix}"
 
@@ -365,7 +354,7 @@ def render(result: dict) -> str:
                 "queue + compute (rows), vocoder queue + compute (rows), gateway total.",
                 "",
             ]
-            lines += [f"- {f['rate']:.2f}/s: {_stall_line(f['stalled'])}" for f in stalled]
+            lines += [f"- {f['rate']:.2f}/s: {stall_line(f['stalled'])}" for f in stalled]
             lines.append("")
     if result.get("overload"):
         o = result["overload"]

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from bench.gpu import hardware
+from bench.metrics import STACK_TOLERANCE_S, stall_post_mortem
 from bench.stack import REPO_ROOT
 
 SCHEMA = "token2wav-bench/1"
@@ -179,6 +180,32 @@ def playback_table(runs: list[dict]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def stalled_lines(runs: list[dict]) -> list[str]:
+    """Per run with stack-stalled streams: the chunk that set each stall and its stages."""
+    lines = []
+    for r in sorted(runs, key=_sort_key):
+        stalled = [
+            s
+            for s in r.get("streams", [])
+            if s.get("status") == "OK" and s.get("excess_buffer_ms", 0.0) > STACK_TOLERANCE_S * 1e3
+        ]
+        if pm := stall_post_mortem(stalled):
+            lines.append(f"- {r['dtype']}, {_load(r)}, {r['label']}: {stall_line(pm)}")
+    return lines
+
+
+def stall_line(st: dict) -> str:
+    """One line of `bench.metrics.stall_post_mortem`'s figures."""
+    chunks = ", ".join(f"{k}: {n}" for k, n in st["chunk"].items())
+    return (
+        f"{st['streams']} stream{'' if st['streams'] == 1 else 's'} (chunk {chunks}); {st['latency_ms']:.0f} ms against "
+        f"{st['first_chunk_latency_ms']:.0f}; flow {st['flow_queue_ms']:.0f} + "
+        f"{st['flow_compute_ms']:.0f} ({st['flow_batch_size']:.0f}), vocoder "
+        f"{st['vocoder_queue_ms']:.0f} + {st['vocoder_compute_ms']:.0f} "
+        f"({st['vocoder_batch_size']:.0f}), gateway {st['gateway_ms']:.0f}"
+    )
+
+
 def batching_ratios(runs: list[dict]) -> list[dict]:
     """On/off pairs measured on the same workload: xRT on / off, latency off / on (>1: on is
     better in both)."""
@@ -274,6 +301,16 @@ def render(env: dict, runs: list[dict], skipped: list[str] | None = None) -> str
         "for a stack that answers instantly (tokens fed at 25/s force it: the hop doubles). "
         "Stack streams: streams whose needed buffer exceeds the input's by more than 20 ms.\n",
         playback_table(runs),
+    ]
+    if stalled := stalled_lines(runs):
+        parts += [
+            "Stalled streams: the chunk that sets each stall (by seq; medians over the stack "
+            "streams): its latency against the stream's first chunk's, then ms of flow queue + "
+            "compute (rows), vocoder queue + compute (rows), gateway total.\n",
+            *stalled,
+            "",
+        ]
+    parts += [
         "## Batching on vs off\n",
         ratios_table(batching_ratios(runs)),
     ]

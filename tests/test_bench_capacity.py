@@ -227,3 +227,12 @@ def test_stall_post_mortem_names_the_chunk_that_sets_the_stall_and_its_stages():
     assert pm["latency_ms"] == pytest.approx((130.0 + 80.0) / 2)
     assert pm["first_chunk_latency_ms"] == 50.0
     assert stall_post_mortem([{"status": "OK"}]) is None
+    # a sweep's results.md lists the same per run, for its stack-stalled streams only
+    from bench.report import stalled_lines
+
+    r = {"dtype": "bfloat16", "kind": "open", "rate": 2.0, "label": "on"}
+    r |= {"workload": {"pace": 0.0}, "concurrency": 0}
+    r["streams"] = [dict(s, status="OK", excess_buffer_ms=80.0), dict(s, status="OK")]
+    (line,) = stalled_lines([r])
+    assert line.startswith("- bfloat16, Poisson 2/s, on: 1 stream (chunk 1: 1); 130 ms")
+    assert stalled_lines([dict(r, streams=r["streams"][1:])]) == []
