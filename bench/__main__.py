@@ -130,10 +130,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
     w.add_argument(
         "--start-buffer-ms",
-        type=int,
+        type=_ints,
         default=None,
         help="StreamConfig.start_buffer_ms of every stream (default: unset, the gateway's "
-        "--start-buffer-ms)",
+        "--start-buffer-ms); sweep and poisson take a comma list and run each level once per "
+        "value on the same stack (0,200: an A/B of buffers); capacity takes one",
     )
     w.add_argument("--warmup-streams", type=int, default=4, help="per run, not measured")
     w.add_argument("--stream-timeout", type=float, default=600.0, help="deadline per stream, s")
@@ -303,6 +304,7 @@ def _sweep_config(a: argparse.Namespace) -> SweepConfig:
         drain_timeout_s=a.drain_timeout,
         time_budget_s=a.time_budget,
         client_procs=a.client_procs,
+        start_buffers=a.start_buffer_ms or (None,),
     )
     if a.cmd == "poisson":
         return SweepConfig(concurrency=(), **common)
@@ -330,7 +332,6 @@ def run_benchmark(
         a.audio_format,
         a.schedule,
         a.mix,
-        a.start_buffer_ms,
     )
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)

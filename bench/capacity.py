@@ -468,6 +468,10 @@ def run(a, argv: list[str]) -> dict:
     t_start = time.monotonic()
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if a.start_buffer_ms and len(a.start_buffer_ms) > 1:
+        raise InvalidConfig(
+            "start_buffer_ms", "capacity takes one value (sweep and poisson: several)"
+        )
     workload = WorkloadConfig(
         a.prompt_tokens,
         a.utterance_tokens,
@@ -476,7 +480,7 @@ def run(a, argv: list[str]) -> dict:
         a.audio_format,
         a.schedule,
         a.mix,
-        a.start_buffer_ms,
+        a.start_buffer_ms[0] if a.start_buffer_ms else None,
     )
     mixed = workload.mix == "mixed"
     if mixed and tuple(a.paces) != (0.0,):

@@ -52,6 +52,8 @@ def run_name(run: dict) -> str:
             level += f"-pace{run['workload']['pace']:g}"
     else:
         level = f"r{run['rate']:g}"
+    if (ms := run["workload"].get("start_buffer_ms")) is not None:
+        level += f"-sb{ms}"
     return f"{run['dtype']}-{run['kind']}-{level}-{run['label']}"
 
 
@@ -96,7 +98,12 @@ def _pace(pace: float) -> str:
 def _load(run: dict) -> str:
     load = "closed" if run["kind"] == "closed" else "Poisson"
     pace = run["workload"]["pace"]
-    return f"{load} {_level(run)}" + (f" @{pace:g} tok/s" if pace > 0 else "")
+    ms = run["workload"].get("start_buffer_ms")
+    return (
+        f"{load} {_level(run)}"
+        + (f" @{pace:g} tok/s" if pace > 0 else "")
+        + ("" if ms is None else f", start buffer {ms} ms")
+    )
 
 
 def _sort_key(run: dict):
@@ -107,6 +114,7 @@ def _sort_key(run: dict):
         run.get("concurrency") or 0,
         run.get("rate") or 0.0,
         run["label"],
+        run["workload"].get("start_buffer_ms") or 0,
     )
 
 

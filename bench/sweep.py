@@ -33,11 +33,13 @@ class RunSpec:
     pace: float  # tokens/s per stream; 0: all at once
     utterances_per_stream: int = 1  # closed loop
     duration_s: float = 0.0  # open loop
+    start_buffer_ms: int | None = None  # every stream's StreamConfig.start_buffer_ms
 
     def describe(self) -> str:
         what = f"{int(self.level)} streams" if self.kind == "closed" else f"{self.level:g}/s"
         pace = f", {self.pace:g} tok/s" if self.pace > 0 else ""
-        return f"{self.kind} {what}{pace}, batching {self.label}"
+        sb = "" if self.start_buffer_ms is None else f", start buffer {self.start_buffer_ms} ms"
+        return f"{self.kind} {what}{pace}{sb}, batching {self.label}"
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,9 @@ class SweepConfig:
     drain_timeout_s: float = 120.0  # open loop: wait this long after the last arrival
     time_budget_s: float = 0.0  # skip runs whose estimate would overrun it; 0: no budget
     client_procs: int = 1  # load-generator processes, each with its share of every run's streams
+    # Each level runs once per start buffer (StreamConfig.start_buffer_ms; None: unset), on the
+    # same stack: an A/B of buffers costs no second stack start.
+    start_buffers: tuple[int | None, ...] = (None,)
 
     def __post_init__(self):
         if not self.labels:
@@ -78,6 +83,10 @@ class SweepConfig:
             raise InvalidConfig("warmup_streams", f"{self.warmup_streams}, want >= 0")
         if self.client_procs < 1:
             raise InvalidConfig("client_procs", f"{self.client_procs}, want >= 1")
+        if not self.start_buffers:
+            raise InvalidConfig("start_buffer_ms", "empty; want ms values, e.g. 0,200")
+        for ms in self.start_buffers:
+            WorkloadConfig(start_buffer_ms=ms)  # its bounds, before any stack starts
 
     def utterances_at(self, concurrency: int) -> int:
         k = self.utterances_per_stream
@@ -92,12 +101,14 @@ def plan(cfg: SweepConfig, pace: float) -> list[RunSpec]:
     def add(kind, levels, allowed_off, run_pace, **kw):
         for i, level in enumerate(levels):
             order = cfg.labels if i % 2 == 0 else tuple(reversed(cfg.labels))  # ABBA
+            buffers = cfg.start_buffers if i % 2 == 0 else tuple(reversed(cfg.start_buffers))
             for label in order:
                 if label == "off" and allowed_off is not None and level not in allowed_off:
                     continue
                 if kind == "closed":
                     kw["utterances_per_stream"] = cfg.utterances_at(int(level))
-                specs.append(RunSpec(kind, label, level, run_pace, **kw))
+                for ms in buffers:
+                    specs.append(RunSpec(kind, label, level, run_pace, start_buffer_ms=ms, **kw))
 
     add("closed", cfg.concurrency, cfg.off_concurrency, pace)
     # A paced level equal to a main level (same concurrency, same pace) would only repeat it
@@ -218,6 +229,8 @@ class Sweep:
         if target.stack is not None:
             target.stack.check_alive()
         workload = replace(self.workload, pace=spec.pace)
+        if spec.start_buffer_ms is not None:  # else the workload's own (capacity sets it there)
+            workload = replace(workload, start_buffer_ms=spec.start_buffer_ms)
         cfg = self.cfg
         # Request ids must never repeat: the vocoder keeps finished sessions as tombstones and
         # would answer a reused id's chunks as retries (cached audio, or ABORTED).

@@ -176,6 +176,20 @@ def test_plan_alternates_and_restricts_batching_off():
     assert [(s.level, s.pace) for s in paced if s.label == "on"] == [(32, 25.0), (64, 25.0)]
 
 
+def test_a_sweep_runs_each_level_once_per_start_buffer_on_the_same_stack():
+    from bench.report import run_name
+
+    cfg = SweepConfig(concurrency=(), rates=(2.0, 4.0), labels=("on",), start_buffers=(0, 200))
+    specs = plan(cfg, pace=0.0)
+    assert [(s.level, s.start_buffer_ms) for s in specs] == [(2, 0), (2, 200), (4, 200), (4, 0)]
+    assert "start buffer 200 ms" in specs[1].describe()
+    run = {"dtype": "bfloat16", "kind": "open", "rate": 2.0, "label": "on"}
+    names = {run_name(dict(run, workload={"start_buffer_ms": ms})) for ms in (None, 0, 200)}
+    assert names == {"bfloat16-open-r2-on", "bfloat16-open-r2-sb0-on", "bfloat16-open-r2-sb200-on"}
+    with pytest.raises(InvalidConfig, match="start_buffer_ms"):
+        SweepConfig(start_buffers=(0, 5000))
+
+
 def test_pass_through_flags_cannot_turn_batching_back_on(tmp_path):
     from bench.stack import Stack, StackConfig
 
