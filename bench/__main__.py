@@ -325,13 +325,7 @@ def run_benchmark(
 ) -> tuple[list[dict], Path]:
     cfg = _sweep_config(a)
     workload = WorkloadConfig(
-        a.prompt_tokens,
-        a.utterance_tokens,
-        a.pace,
-        a.seed,
-        a.audio_format,
-        a.schedule,
-        a.mix,
+        a.prompt_tokens, a.utterance_tokens, a.pace, a.seed, a.audio_format, a.schedule, a.mix
     )
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.metrics import STACK_TOLERANCE_S, excess_buffer_ms, percentiles, stall_post_mortem
-from bench.report import environment, run_name, stall_line
+from bench.report import STALLED_LEGEND, environment, run_name, stall_line
 from bench.stack import Stack, StackConfig, free_port
 from bench.sweep import RunSpec, Sweep, SweepConfig, Target, one_line
 from bench.workload import InvalidConfig, WorkloadConfig
@@ -348,12 +348,7 @@ def render(result: dict) -> str:
             f for f in sorted(search_result["probes"], key=lambda f: f["rate"]) if f.get("stalled")
         ]
         if stalled:
-            lines += [
-                "Stalled streams: the chunk that sets each stall (by seq; medians over the "
-                "streams): its latency against the stream's first chunk's, then ms of flow "
-                "queue + compute (rows), vocoder queue + compute (rows), gateway total.",
-                "",
-            ]
+            lines += [STALLED_LEGEND, ""]
             lines += [f"- {f['rate']:.2f}/s: {stall_line(f['stalled'])}" for f in stalled]
             lines.append("")
     if result.get("overload"):

@@ -202,11 +202,20 @@ def stalled_lines(runs: list[dict]) -> list[str]:
     return lines
 
 
+# What `stall_line` says, once above its lines (results.md, capacity.md).
+STALLED_LEGEND = (
+    "Stalled streams: the chunk that sets each stall (by seq; medians over the streams): its "
+    "latency against the stream's first chunk's, then ms of flow queue + compute (rows), "
+    "vocoder queue + compute (rows), gateway total."
+)
+
+
 def stall_line(st: dict) -> str:
     """One line of `bench.metrics.stall_post_mortem`'s figures."""
     chunks = ", ".join(f"{k}: {n}" for k, n in st["chunk"].items())
+    streams = f"{st['streams']} stream" + ("" if st["streams"] == 1 else "s")
     return (
-        f"{st['streams']} stream{'' if st['streams'] == 1 else 's'} (chunk {chunks}); {st['latency_ms']:.0f} ms against "
+        f"{streams} (chunk {chunks}); {st['latency_ms']:.0f} ms against "
         f"{st['first_chunk_latency_ms']:.0f}; flow {st['flow_queue_ms']:.0f} + "
         f"{st['flow_compute_ms']:.0f} ({st['flow_batch_size']:.0f}), vocoder "
         f"{st['vocoder_queue_ms']:.0f} + {st['vocoder_compute_ms']:.0f} "
@@ -311,13 +320,7 @@ def render(env: dict, runs: list[dict], skipped: list[str] | None = None) -> str
         playback_table(runs),
     ]
     if stalled := stalled_lines(runs):
-        parts += [
-            "Stalled streams: the chunk that sets each stall (by seq; medians over the stack "
-            "streams): its latency against the stream's first chunk's, then ms of flow queue + "
-            "compute (rows), vocoder queue + compute (rows), gateway total.\n",
-            *stalled,
-            "",
-        ]
+        parts += [STALLED_LEGEND + "\n", *stalled, ""]
     parts += [
         "## Batching on vs off\n",
         ratios_table(batching_ratios(runs)),
