@@ -236,3 +236,18 @@ def test_stall_post_mortem_names_the_chunk_that_sets_the_stall_and_its_stages():
     (line,) = stalled_lines([r])
     assert line.startswith("- bfloat16, Poisson 2/s, on: 1 stream (chunk 1: 1); 130 ms")
     assert stalled_lines([dict(r, streams=r["streams"][1:])]) == []
+    # and capacity.md, under its probe table, from the probe's own stalled streams
+    fig = on_time_figures(run([dict(s, status="OK", excess_buffer_ms=80.0), stream()]), 10.0)
+    assert fig["stalled"]["streams"] == 1
+    result = {"dtype": "bfloat16", "preset": "small", "device": "cpu", "command": "c"}
+    result |= {"started_at": "now", "workload": "w"}
+    probe = dict(fig, passed=False)
+    result["capacity"] = {
+        "all at once": {
+            "capacity_rate": None,
+            "capacity_audio_s_per_s": None,
+            "capacity_concurrent": None,
+            "probes": [probe],
+        }
+    }
+    assert "- 2.00/s: 1 stream (chunk 1: 1); 130 ms against 50" in render(result)
