@@ -138,7 +138,7 @@ def build_parser() -> EnvParser:
         default=d.limits.start_buffer_s * 1e3,
         help="hold the first audio of a stream whose input is still open until this long after "
         "its first chunk's tokens: playback starts later, every later chunk has that much more "
-        "slack (0: send at once)",
+        "slack (0: send at once); a stream's StreamConfig.start_buffer_ms overrides it",
     )
     p.flag(
         "--admission",
