@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gateway.deadlines import MAX_START_BUFFER_MS
 from gateway.schedule import ChunkPlanner, ScheduleConfig
 from token2wav import MEL_BINS, SPK_EMBED_DIM, TOKEN_MEL_RATIO, VOCAB_SIZE
 from token2wav.tensors import VoiceData, make_voice
@@ -73,8 +74,9 @@ class WorkloadConfig:
             raise InvalidConfig("schedule", f"{self.schedule!r}, want upstream or blocks")
         if self.mix not in MIXES:
             raise InvalidConfig("mix", f"{self.mix!r}, want uniform or mixed")
-        if self.start_buffer_ms is not None and not 0 <= self.start_buffer_ms <= 2000:
-            raise InvalidConfig("start_buffer_ms", f"{self.start_buffer_ms}, want 0..2000 ms")
+        ms = self.start_buffer_ms
+        if ms is not None and not 0 <= ms <= MAX_START_BUFFER_MS:
+            raise InvalidConfig("start_buffer_ms", f"{ms}, want 0..{MAX_START_BUFFER_MS} ms")
 
     def shape(self, index: int) -> StreamShape:
         """Stream `index`'s voice, length and pace."""

@@ -43,6 +43,9 @@ from token2wav import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKEN_MEL_RATIO
 # import the vocoder's model code).
 VOCODER_HOLDBACK_FRAMES = 8
 FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
+# StreamConfig.start_buffer_ms's bound: a start buffer past 2 s is a client bug, not a latency
+# choice.
+MAX_START_BUFFER_MS = 2000
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from gateway import metrics
 from gateway.admission import AdmissionConfig, AdmissionController
 from gateway.audio_format import ClientAudio, OutputSpec, check_output
 from gateway.callers import ClientStreams, client_of
+from gateway.deadlines import MAX_START_BUFFER_MS
 from gateway.downstream import FlowClient, VocoderClient
 from gateway.inbound import Inbound, InboundLimits
 from gateway.pipeline import PipelineLimits, StreamPipeline, StreamSetup
@@ -32,7 +33,6 @@ from token2wav.v1 import gateway_pb2, gateway_pb2_grpc
 logger = logging.getLogger(__name__)
 
 MAX_SAMPLES = MAX_FRAMES // TOKEN_MEL_RATIO * SAMPLES_PER_TOKEN  # 300 s, prompt included
-MAX_START_BUFFER_MS = 2000  # a start buffer past 2 s is a client bug, not a latency choice
 
 
 class VoiceRegistry:
