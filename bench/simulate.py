@@ -4,11 +4,12 @@ What runs for real: the flow engine's `EngineCore` with its `Scheduler` and `Cos
 batching, slack order, preemption decisions: flow_service/core.py), its graph row buckets (`graph_rows`), the gateway's `ChunkPlanner` and
 `PlaybackClock` (chunk shapes, playback deadlines), the vocoder's graph shape buckets
 (`ShapeBuckets`), the bench's workload (`chunk_needs`, Poisson arrivals) and its metrics
-(`bench.metrics.summarize`: first-chunk latency and stages, stack-added stalls). What is
+(`bench.metrics.summarize`: first-chunk latency and stages, stack-added stalls), the uniform
+and the mixed workloads (`WorkloadConfig.shape`, tokens in bursts as bench/loadgen.py sends them). What is
 modelled:
 
   flow batch time   `FlowCostFit`: a CUDA-graphed solve (rows rounded up to the graph row bucket,
-                    frames to a multiple of 100 up to 800) costs a launch floor plus, per row,
+                    frames to a multiple of 100) costs a launch floor plus, per row,
                     a term in frames and one in frames^2 (attention); fitted to the H200 bf16
                     solves with fused norms and graphs (docs/bench/2026-12-03-prefix-cache-and-kernels.md "DiT kernels": 8 x 206
                     frames 54 ms, 64 x 206 310, 8 x 656 152, 64 x 656 1085; within 5 ms);
@@ -22,7 +23,10 @@ modelled:
                     runner's rule: a cached row's work counts half its prefix; a graphed one
                     pays per row x padded prefix frame for the key/value moves, fitted to
                     docs/bench/prefix-graphs-2026-12-04/profile_prefix_blocks.txt); final calls
-                    recompute everything (the voice's shared prompt blocks are not modelled)
+                    recompute everything; streams of one voice share its prompt blocks
+  graph captures    a graphed batch whose shape (`plain_graph_shapes`, `prefix_graph_key`) the
+                    warm-up did not capture pays `graph_capture_s` once, as the runner's
+                    GraphedEstimator does, with its least-recently-used limits
   engine            `SimulatedEngine`, the loop of flow_service/engine.py on the fake clock:
                     it runs what the core decides, each batch in NUM_STEPS steps, asking the
                     core between two steps (as the runner does) and running an urgent batch
@@ -69,12 +73,24 @@ from pathlib import Path
 import numpy as np
 
 from bench.metrics import StreamRecord, summarize
-from bench.workload import chunk_needs, poisson_arrivals
+from bench.workload import StreamShape, WorkloadConfig, chunk_needs, poisson_arrivals
 from flow_service.config import FlowConfig
 from flow_service.core import EngineCore, Running
 from flow_service.costmodel import CostModel
-from flow_service.model.config import BLOCK_FRAMES, NUM_STEPS
-from flow_service.runner import GRAPH_PREFIX_MULTIPLE, graph_fits, graph_rows
+from flow_service.model.config import BLOCK_FRAMES, FLOW_PRESETS, NUM_STEPS
+from flow_service.model.prefix_cache import scratch_query_blocks
+from flow_service.runner import (
+    GRAPH_FRAME_MULTIPLE,
+    GRAPH_PREFIX_MULTIPLE,
+    PLAIN_GRAPHS_KEPT,
+    PREFIX_GRAPHS_SPARE,
+    WARMUP_MAX_PREFIX,
+    graph_fits,
+    graph_rows,
+    plain_graph_shapes,
+    prefix_graph_key,
+    prefix_graph_shapes,
+)
 from flow_service.scheduler import BatchPolicy, PendingCall, Plan
 from gateway.admission import (
     AdmissionConfig,
@@ -90,9 +106,6 @@ from token2wav.errors import ResourceExhausted
 from vocoder_service.batch_policy import batch_order, fits
 from vocoder_service.model.config import HIFT_PRESETS
 from vocoder_service.model.graphs import ShapeBuckets
-
-GRAPH_FRAME_MULTIPLE = 100  # flow_service.engine: graphed batches' frames rounded up to this
-GRAPH_MAX_FRAMES = 800  # the flow's warm-up captures graphs up to this many frames
 
 
 @dataclass(frozen=True)
@@ -126,9 +139,7 @@ class FlowCostFit:
 
     def graphed_s(self, rows: int, padded_len: int) -> float:
         """A CUDA-graphed batch: rows to the graph row bucket, frames to a multiple of 100."""
-        frames = padded_len
-        if frames <= GRAPH_MAX_FRAMES:
-            frames = -(-frames // GRAPH_FRAME_MULTIPLE) * GRAPH_FRAME_MULTIPLE
+        frames = -(-padded_len // GRAPH_FRAME_MULTIPLE) * GRAPH_FRAME_MULTIPLE
         return self.overhead_s + self.solve_s(graph_rows(rows), frames)
 
     def eager_s(
@@ -233,6 +244,13 @@ class SimConfig:
     # the gateway's admission control (--admission...; enabled=False: every stream admitted),
     # one controller per gateway process
     admission: AdmissionConfig = AdmissionConfig()
+    # A graphed batch whose shape has no graph yet captures one first (FlowRunner: the
+    # warm-up's shapes, `plain_graph_shapes` and `prefix_graph_shapes` up to
+    # `warmup_max_prefix`, are there from the start; least recently used ones go past
+    # PLAIN_GRAPHS_KEPT, or PREFIX_GRAPHS_SPARE more than the warm-up's). Its cost: the H100's one-row first chunk, 156 ms
+    # in the first batch that met its shape and 29.7 ms later (docs/bench/2026-12-06-h100.md).
+    graph_capture_s: float = 0.126
+    warmup_max_prefix: int = WARMUP_MAX_PREFIX
 
 
 class EventClock:
@@ -395,6 +413,8 @@ class _Stream:
     planner: ChunkPlanner
     playback: PlaybackClock | None
     rec: StreamRecord
+    prompt_tokens: int
+    voice: object  # streams of one voice share its prompt blocks in the prefix cache
     gateway: int = 0
     num_tokens: int = 0
     ended: bool = False
@@ -451,22 +471,48 @@ class Simulation:
         self._cache_plans: dict = {}  # id(plan) -> prefix-cache stores (None: graphed)
         self.seq_frames = 0  # flow batches' rows x sequence frames (padding excluded)
         self.computed_frames = 0  # of which computed (the prefix cache's hits excluded)
+        rows, bound = config.flow_cost.graph_rows, config.graph_max_frames
+        scratch = scratch_query_blocks(NUM_STEPS, FLOW_PRESETS["cosyvoice3-0.5b"].dit.depth)
+        warm_prefix = prefix_graph_shapes(
+            rows, bound, BLOCK_FRAMES, scratch, config.warmup_max_prefix
+        )
+        # shape key -> None, least recently replayed first, as the runner's GraphedEstimators
+        self.graphs = {
+            "plain": (
+                dict.fromkeys(plain_graph_shapes(rows, GRAPH_FRAME_MULTIPLE)),
+                PLAIN_GRAPHS_KEPT,
+            ),
+            "prefix": (dict.fromkeys(warm_prefix), len(warm_prefix) + PREFIX_GRAPHS_SPARE),
+        }
+        self.captures = {"plain": 0, "prefix": 0}  # graphs captured inside a batch
+        self.voice_frames: dict = {}  # voice -> frames of its prompt blocks in the cache
 
     # -- workload ---------------------------------------------------------------------------
-    def add_stream(self, sid: str, opened: float, pace: float) -> None:
-        n = self.c.utterance_tokens
-        times = [opened] * n if pace <= 0 else [opened + i / pace for i in range(n)]
-        rec = StreamRecord(sid, n, chunk_needs(self.c.prompt_tokens, n), opened=opened)
+    def add_stream(
+        self, sid: str, opened: float, pace: float, shape: StreamShape | None = None
+    ) -> None:
+        """A stream of the config's prompt and length at `pace` (each its own voice), or of
+        `shape` (its voice, prompt, length and pace; tokens in bursts, as bench/loadgen.py
+        sends them)."""
+        voice = sid if shape is None else shape.voice
+        if shape is None:
+            shape = StreamShape(0, self.c.prompt_tokens, self.c.utterance_tokens, pace, 1)
+        n, pace, burst = shape.utterance_tokens, shape.pace, shape.burst
+        if pace <= 0:
+            times = [opened] * n
+        else:  # a burst goes out when its last token is due
+            times = [opened + (min(n, i // burst * burst + burst) - 1) / pace for i in range(n)]
+        rec = StreamRecord(sid, n, chunk_needs(shape.prompt_tokens, n), opened=opened)
         rec.token_sent = list(times)
         rec.end_sent = times[-1]
         clock = (
             PlaybackClock(self.c.deadlines, lambda: self.clock.now) if self.c.deadlines else None
         )
-        planner = ChunkPlanner(self.c.prompt_tokens, ScheduleConfig())
+        planner = ChunkPlanner(shape.prompt_tokens, ScheduleConfig())
         gw = len(self.streams) % len(self.gw_free_at)
-        s = _Stream(sid, opened, times, planner, clock, rec, gateway=gw)
+        s = _Stream(sid, opened, times, planner, clock, rec, shape.prompt_tokens, voice, gw)
         if self.c.block_calls:
-            s.blocks = BlockPlanner(self.c.prompt_tokens, ScheduleConfig())
+            s.blocks = BlockPlanner(shape.prompt_tokens, ScheduleConfig())
         self.streams.append(s)
         self.clock.at(opened, self._open, s)
         for i, t in enumerate(times):
@@ -482,7 +528,7 @@ class Simulation:
 
     def _open(self, s: _Stream) -> None:
         if self.c.admission.enabled:  # gateway/servicer.py: admit before the pipeline runs
-            admitted = _Admitted(s, self.c.prompt_tokens)
+            admitted = _Admitted(s, s.prompt_tokens)
             try:
                 _now(self.admission[s.gateway].admit(admitted))
             except ResourceExhausted as exc:
@@ -572,7 +618,7 @@ class Simulation:
         chunk, due, sent, block = s.chain.popleft()
         s.chain_busy = self.c.order_streams
         emitted = chunk.num_tokens - (0 if chunk.finalize else LOOKAHEAD_TOKENS)
-        frames = TOKEN_MEL_RATIO * (self.c.prompt_tokens + emitted)  # FlowRequest.num_seq_frames
+        frames = TOKEN_MEL_RATIO * (s.prompt_tokens + emitted)  # FlowRequest.num_seq_frames
         call = PendingCall(
             num_seq_frames=frames,
             num_out_frames=TOKEN_MEL_RATIO * chunk.num_emit_tokens,
@@ -617,9 +663,10 @@ class Simulation:
             s, chunk, _ = call.payload
             prefix = 0
             if not call.final:
-                out_start = TOKEN_MEL_RATIO * (self.c.prompt_tokens + chunk.token_offset)
+                out_start = TOKEN_MEL_RATIO * (s.prompt_tokens + chunk.token_offset)
                 limit = min(out_start, call.num_seq_frames) // BLOCK_FRAMES * BLOCK_FRAMES
-                prefix = min(s.cached_frames, limit)
+                cached = max(s.cached_frames, self.voice_frames.get(s.voice, 0))
+                prefix = min(cached, limit)
                 end = call.num_seq_frames // BLOCK_FRAMES * BLOCK_FRAMES
                 if end > prefix:
                     stored += end - prefix
@@ -627,23 +674,45 @@ class Simulation:
             prefixes.append(prefix)
         queries = max(f - p for f, p in zip(frames, prefixes, strict=True))
         self.computed_frames += sum(frames) - sum(prefixes)
+        rows = len(plan.calls)
         if not stores and not any(prefixes):  # the cache takes no part: plain graphs or eager
             graphed = self.graphed(plan)
             self._cache_plans[id(plan)] = ((), graphed)
             if graphed:
-                return fit.graphed_s(len(plan.calls), plan.padded_len)
-            return fit.eager_s(len(plan.calls), plan.padded_len)
+                padded = -(-plan.padded_len // GRAPH_FRAME_MULTIPLE) * GRAPH_FRAME_MULTIPLE
+                capture = self._replay("plain", (graph_rows(rows), padded))
+                return capture + fit.graphed_s(rows, plan.padded_len)
+            return fit.eager_s(rows, plan.padded_len)
         graphed = self.graphed(plan, prefixes)
         self._cache_plans[id(plan)] = (stores, graphed)
         if graphed:
-            return fit.prefix_graphed_s(len(plan.calls), queries, max(prefixes))
-        return fit.eager_s(len(plan.calls), plan.padded_len, queries, stored)
+            key = prefix_graph_key(rows, max(prefixes), queries, BLOCK_FRAMES)
+            return self._replay("prefix", key) + fit.prefix_graphed_s(rows, key[2], max(prefixes))
+        return fit.eager_s(rows, plan.padded_len, queries, stored)
+
+    def _replay(self, kind: str, key: tuple) -> float:
+        """A graphed batch replays the graph of `key`: the seconds of capturing it first, if
+        it has none (the least recently replayed graph then goes, past the runner's limit)."""
+        graphs, kept = self.graphs[kind]
+        if key in graphs:
+            graphs[key] = graphs.pop(key)  # most recently used last
+            return 0.0
+        while len(graphs) >= kept:
+            del graphs[next(iter(graphs))]
+        graphs[key] = None
+        self.captures[kind] += 1
+        return self.c.graph_capture_s
 
     def _commit_cache(self, plan: Plan) -> bool:
         """After `plan`'s solve: its rows' blocks are stored. Whether it was graphed."""
         stores, graphed = self._cache_plans.pop(id(plan))
         for s, end in stores:
             s.cached_frames = max(s.cached_frames, end)
+            # PrefixCache: a voice entry holds the blocks made of prompt frames only
+            voice = max(0, TOKEN_MEL_RATIO * (s.prompt_tokens - LOOKAHEAD_TOKENS))
+            voice = min(end, voice // BLOCK_FRAMES * BLOCK_FRAMES)
+            if voice > self.voice_frames.get(s.voice, 0):
+                self.voice_frames[s.voice] = voice
         return graphed
 
     def _batch_done(self, plan: Plan, started: float, now: float) -> None:
@@ -822,11 +891,19 @@ def closed_loop(config: SimConfig, streams: int = 64, stagger_s: float = 0.0004)
 
 
 def poisson(
-    config: SimConfig, rate: float, duration: float = 10.0, pace: float = 0.0, seed: int = 0
+    config: SimConfig,
+    rate: float,
+    duration: float = 10.0,
+    pace: float = 0.0,
+    seed: int = 0,
+    mix: str = "uniform",
 ) -> dict:
+    """Poisson arrivals; `mix` "mixed": bench/workload.py's mixed streams (`pace` unused)."""
     sim = Simulation(config)
+    workload = WorkloadConfig(seed=seed, mix=mix)
     for i, t in enumerate(poisson_arrivals(seed, rate, duration)):
-        sim.add_stream(f"p{i}", float(t), pace)
+        shape = workload.shape(i) if mix == "mixed" else None
+        sim.add_stream(f"p{i}", float(t), pace, shape)
     recs = sim.run()
     return _figures(sim, recs, duration)
 
@@ -873,6 +950,7 @@ def _figures(sim: Simulation, recs: list[StreamRecord], window: float) -> dict:
         "batches": len(sim.batches),
         "preemptions": sim.flow.core.num_preemptions,
         "mean_rows": round(float(np.mean([b["rows"] for b in sim.batches])), 2),
+        "graph_captures": dict(sim.captures),
     }
 
 
@@ -923,6 +1001,14 @@ def main(argv=None) -> None:
     ap.add_argument("--paces", default="0,50", help="token paces (tokens/s, 0: all at once)")
     ap.add_argument("--duration", type=float, default=10.0, help="Poisson window (s)")
     ap.add_argument("--seed", type=int, default=0, help="Poisson arrivals' seed")
+    ap.add_argument(
+        "--mix",
+        choices=("uniform", "mixed"),
+        default="uniform",
+        help="Poisson streams: uniform (the prompt, length and --paces of the config) or "
+        "bench/workload.py's mixed workload (each its own voice, length and pace; --paces "
+        "unused)",
+    )
     ap.add_argument("--no-deadlines", action="store_true", help="gateway sends no deadlines")
     ap.add_argument("--batches", action="store_true", help="print the closed loop's batches")
     ap.add_argument(
@@ -940,6 +1026,8 @@ def main(argv=None) -> None:
         ("--urgent-max-frames", base.vocoder_urgent_max_frames, int, "vocoder urgent batch"),
         ("--gateways", base.gateways, int, "gateway processes, streams round robin"),
         ("--graph-max-frames", base.graph_max_frames, int, "flow: graphs up to rows x frames"),
+        ("--graph-capture-ms", base.graph_capture_s * 1e3, float, "flow: a new graph shape"),
+        ("--warmup-max-prefix", base.warmup_max_prefix, int, "flow: prefix graphs warmed up"),
     ]:
         knobs.add_argument(flag, type=kind, default=default, help=f"{what} (%(default)s)")
     adm = ap.add_argument_group(
@@ -972,6 +1060,8 @@ def main(argv=None) -> None:
         gateways=a.gateways,
         graph_max_frames=a.graph_max_frames,
         block_calls=a.block_calls,
+        graph_capture_s=a.graph_capture_ms / 1e3,
+        warmup_max_prefix=a.warmup_max_prefix,
     )
     if a.overload > 0:
         cfg = replace(cfg, admission=AdmissionConfig(enabled=True, headroom=a.admission_headroom))
@@ -986,6 +1076,11 @@ def main(argv=None) -> None:
         sim.run()
         for b in sim.batches:
             print(b)
+    if a.mix == "mixed":
+        for rate in (float(r) for r in a.rates.split(",")):
+            f = poisson(cfg, rate, a.duration, 0.0, a.seed, "mixed")
+            print(f"mixed rate {rate:g}", json.dumps(f))
+        return
     for pace in (float(p) for p in a.paces.split(",")):
         for rate in (float(r) for r in a.rates.split(",")):
             f = poisson(cfg, rate, a.duration, pace, a.seed)

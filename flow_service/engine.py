@@ -36,7 +36,7 @@ from flow_service.contain import execute_contained
 from flow_service.core import EngineCore, Running
 from flow_service.costmodel import CostModel, num_solver_steps
 from flow_service.model import FlowModel, FlowRequest, PrefixCache
-from flow_service.runner import BetweenSteps, FlowRunner, UrgentRequest
+from flow_service.runner import GRAPH_FRAME_MULTIPLE, BetweenSteps, FlowRunner, UrgentRequest
 from flow_service.scheduler import BatchPolicy, CallStatus, PendingCall, Plan, Scheduler
 from token2wav.errors import DeadlineExceeded, ResourceExhausted, ServiceError, Unavailable
 from token2wav.faults import RowOutOfMemory, is_device_lost
@@ -65,7 +65,7 @@ class FlowEngine:
         log_batches: bool = False,
         cuda_graphs: bool = True,
         graph_max_batch: int = 64,
-        graph_frame_multiple: int = 100,
+        graph_frame_multiple: int = GRAPH_FRAME_MULTIPLE,
         graph_max_frames: int = 0,
         preempt: bool = True,
         cost: CostModel | None = None,

@@ -73,14 +73,19 @@ class BetweenSteps:
 
 
 GRAPH_ROW_STEP = 8
+GRAPH_FRAME_MULTIPLE = 100  # a plain graphed batch's frames are padded to a multiple of this
 # A graphed prefix solve pads each row's cached prefix to a multiple of this many frames (4
 # blocks), so a few graphs per row bucket cover the prefixes of 30 s streams; the padding is
 # masked keys, cheap next to the queries' own compute.
 GRAPH_PREFIX_MULTIPLE = 200
-# Prefix graphs kept (least recently used go first): room for every shape the warm-up captures
-# (`FlowRunner.prefix_graph_shapes`: 165 with no --graph-max-frames bound, 120 at 12288) and
-# some met later (prefixes past 800 frames).
-PREFIX_GRAPHS_KEPT = 192
+# Prefix graphs kept (least recently used go first): every shape the warm-up captures
+# (`prefix_graph_shapes`: 138 at the default --graph-max-frames) and this many met later.
+PREFIX_GRAPHS_SPARE = 64
+PLAIN_GRAPHS_KEPT = 128  # graphs of batches that do not read the cache: 88 from the warm-up
+# The warm-up captures plain graphs up to this many frames and prefix graphs up to this padded
+# prefix; a shape past them is captured inside the first batch that meets it.
+WARMUP_MAX_FRAMES = 800
+WARMUP_MAX_PREFIX = 800
 
 
 def graph_rows(num_rows: int) -> int:
@@ -99,6 +104,64 @@ def graph_fits(num_rows: int, longest: int, max_rows: int, max_frames: int) -> b
     return num_rows <= max_rows and not (max_frames and num_rows * longest > max_frames)
 
 
+def row_buckets(max_rows: int) -> list[int]:
+    """Every `graph_rows` bucket of batches up to `max_rows` rows."""
+    return sorted({graph_rows(n) for n in range(1, max_rows + 1)})
+
+
+def plain_graph_shapes(
+    max_rows: int, frame_multiple: int, max_frames: int = WARMUP_MAX_FRAMES
+) -> list[tuple[int, int]]:
+    """(rows, padded frames) of the plain graphs the warm-up captures: every row bucket and
+    frame bucket up to `max_frames`."""
+    return [
+        (rows, t)
+        for rows in row_buckets(max_rows)
+        for t in range(frame_multiple, max_frames + 1, frame_multiple)
+    ]
+
+
+def prefix_graph_key(rows: int, prefix: int, queries: int, block: int) -> tuple[int, int, int]:
+    """(rows, padded prefix, query frames) of the prefix graph a batch replays: rows to their
+    bucket, the longest cached prefix to GRAPH_PREFIX_MULTIPLE, the longest query run to whole
+    blocks (flow_service/model/prefix_cache.py `solve_with_prefix`)."""
+    multiple = max(GRAPH_PREFIX_MULTIPLE, block)
+    padded_prefix = -(-prefix // multiple) * multiple
+    return graph_rows(rows), padded_prefix, -(-queries // block) * block
+
+
+def prefix_graph_shapes(
+    max_rows: int,
+    max_frames: int,
+    block: int,
+    scratch_query_blocks: int,
+    max_prefix: int = WARMUP_MAX_PREFIX,
+) -> list[tuple[int, int, int]]:
+    """(rows, padded prefix, query frames) of the prefix graphs captured before serving:
+    every row bucket and padded prefix up to `max_prefix` frames that `FlowRunner.graphed`
+    would send to graphs (`max_rows`, `max_frames`: its bounds), with 1, 2 or 4 blocks of
+    queries (a block call; upstream's first chunk and its second, hops of 25 and 50 tokens;
+    its later ones, 100). Other shapes are captured when first met, inside a batch: ~0.1 s
+    each, which a burst of new streams pays once per shape (the closed loop of 64 measured
+    it: docs/bench/2026-12-06-h100.md)."""
+    buckets = row_buckets(max_rows)
+    fewest = dict(zip(buckets, [1] + [b + 1 for b in buckets[:-1]], strict=True))
+    return [
+        (rows, prefix, queries)
+        for queries in (block, 2 * block, 4 * block)
+        for rows in buckets
+        for prefix in range(0, max_prefix + 1, GRAPH_PREFIX_MULTIPLE)
+        # some batch of this key fits: its fewest rows, its shortest prefix
+        if graph_fits(
+            fewest[rows],
+            queries + max(0, prefix - GRAPH_PREFIX_MULTIPLE + block) // 2,
+            max_rows,
+            max_frames,
+        )
+        and rows * (queries // block) <= scratch_query_blocks
+    ]
+
+
 class FlowRunner:
     """`execute(requests)` runs one batch on the worker thread; results come back by row."""
 
@@ -108,7 +171,7 @@ class FlowRunner:
         prefix_cache: PrefixCache | None = None,
         cuda_graphs: bool = True,
         graph_max_batch: int = 64,
-        graph_frame_multiple: int = 100,
+        graph_frame_multiple: int = GRAPH_FRAME_MULTIPLE,
         graph_max_frames: int = 0,
     ):
         self.model = model
@@ -119,6 +182,14 @@ class FlowRunner:
         # One worker: batches run one after another, while the event loop keeps accepting calls.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="flow-runner")
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.graph_max_batch = graph_max_batch
+        self.graph_frame_multiple = graph_frame_multiple
+        # Past this much work (rows x longest sequence, in frames; 0 = no bound) a batch is
+        # compute-bound even eagerly, and eager then wins: no padding to the graph's buckets
+        # (a 650-frame final call runs as 700) and the prefix cache (a 10 s stream's later
+        # calls compute 100-200 new frames instead of 300-500; measured in docs/DESIGN.md
+        # "Prefix cache").
+        self.graph_max_frames = graph_max_frames
         # Small batches are launch-bound (~900 kernels per solver step), so they replay CUDA
         # graphs. Shapes are bucketed (requests by `graph_rows`, frames to a multiple) so a few
         # dozen graphs cover the workload; larger batches run eagerly. Eager steps stay
@@ -129,23 +200,15 @@ class FlowRunner:
         if cuda_graphs and self.stream is not None:
             from flow_service.model import GraphedEstimator
 
-            self.graphs = GraphedEstimator(model.decoder.estimator, max_graphs=128)
+            self.graphs = GraphedEstimator(model.decoder.estimator, max_graphs=PLAIN_GRAPHS_KEPT)
             if prefix_cache is not None:
                 step = PrefixStep(model.decoder.estimator, prefix_cache)
                 self.prefix_graphs = GraphedEstimator(
                     step,
-                    max_graphs=PREFIX_GRAPHS_KEPT,
+                    max_graphs=len(self.prefix_graph_shapes()) + PREFIX_GRAPHS_SPARE,
                     always_copy=PrefixStep.ALWAYS_COPY,
                     share=self.graphs,
                 )
-        self.graph_max_batch = graph_max_batch
-        self.graph_frame_multiple = graph_frame_multiple
-        # Past this much work (rows x longest sequence, in frames; 0 = no bound) a batch is
-        # compute-bound even eagerly, and eager then wins: no padding to the graph's buckets
-        # (a 650-frame final call runs as 700) and the prefix cache (a 10 s stream's later
-        # calls compute 100-200 new frames instead of 300-500; measured in docs/DESIGN.md
-        # "Prefix cache").
-        self.graph_max_frames = graph_max_frames
         self._nested_s = 0.0  # runner thread only: time spent in urgent batches
         self.faults: FaultInjector | None = None  # tests only: errors raised before a batch
 
@@ -190,23 +253,12 @@ class FlowRunner:
                 len(self.prefix_graphs or ()),
             )
 
-    def prefix_graph_shapes(self, max_prefix: int = 800) -> list[tuple[int, int, int]]:
-        """(rows, padded prefix, query frames) of the prefix graphs captured before serving:
-        every row bucket and padded prefix up to `max_prefix` frames that `graphed` would send
-        to graphs, with 1, 2 or 4 blocks of queries (a block call; upstream's first chunk and
-        its second, hops of 25 and 50 tokens; its later ones, 100). Other shapes are captured
-        when first met, inside a batch: ~0.1 s each, which a burst of new streams pays once
-        per shape (the closed loop of 64 measured it: docs/bench/2026-12-06-h100.md)."""
-        sizes = sorted({graph_rows(n) for n in range(1, self.graph_max_batch + 1)})
-        block = self.prefix_cache.block
-        return [
-            (rows, prefix, queries)
-            for queries in (block, 2 * block, 4 * block)
-            for rows in sizes
-            for prefix in range(0, max_prefix + 1, GRAPH_PREFIX_MULTIPLE)
-            if graph_fits(rows, queries + prefix // 2, self.graph_max_batch, self.graph_max_frames)
-            and rows * (queries // block) <= self.prefix_cache.scratch_query_blocks
-        ]
+    def prefix_graph_shapes(self) -> list[tuple[int, int, int]]:
+        """`prefix_graph_shapes` under this runner's bounds and cache."""
+        cache = self.prefix_cache
+        return prefix_graph_shapes(
+            self.graph_max_batch, self.graph_max_frames, cache.block, cache.scratch_query_blocks
+        )
 
     def capture_prefix_graphs(self) -> None:
         """Worker thread: capture `prefix_graph_shapes`."""
@@ -216,13 +268,12 @@ class FlowRunner:
                 self.prefix_graphs(*step.example_args(rows, prefix, queries))
         self.stream.synchronize()
 
-    def graph_warmup_requests(self, max_frames: int = 800) -> list[list[FlowRequest]]:
-        """Batches covering every graph bucket up to `max_frames`, to capture before SERVING."""
+    def graph_warmup_requests(self) -> list[list[FlowRequest]]:
+        """Batches covering `plain_graph_shapes`, to capture before SERVING."""
         if self.graphs is None:
             return []
-        sizes = sorted({graph_rows(n) for n in range(1, self.graph_max_batch + 1)})
-        step = self.graph_frame_multiple
-        return [warmup_batch(b, t) for b in sizes for t in range(step, max_frames + 1, step)]
+        shapes = plain_graph_shapes(self.graph_max_batch, self.graph_frame_multiple)
+        return [warmup_batch(rows, t) for rows, t in shapes]
 
     def close(self) -> None:
         """Wait for the batch in progress (blocking: call it off the loop)."""

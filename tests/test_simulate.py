@@ -424,3 +424,48 @@ def test_block_calls_make_a_flow_call_per_block_and_deliver_the_same_audio():
     assert len(chunks_sim.batches) == 4
     assert [b["padded"] for b in blocks_sim.batches[:9]] == list(range(200, 650, 50))
     assert len(blocks_sim.batches) == 10
+
+
+def test_a_graph_shape_met_first_in_a_batch_costs_one_capture_and_the_oldest_goes():
+    cfg = SimConfig(graph_capture_s=0.1)
+    sim = Simulation(cfg)
+    graphs, kept = sim.graphs["prefix"]
+    warm = next(iter(graphs))
+    assert sim._replay("prefix", warm) == 0.0  # the warm-up captured it
+    assert sim._replay("prefix", (1, 6000, 50)) == 0.1  # a prefix past the warm-up's
+    assert sim._replay("prefix", (1, 6000, 50)) == 0.0
+    assert sim.captures == {"plain": 0, "prefix": 1}
+    oldest = next(iter(graphs))
+    for n in range(kept - 2):  # new shapes: room for them and the two replayed last
+        sim._replay("prefix", (1, 8000 + 200 * n, 50))
+    assert len(graphs) == kept and oldest not in graphs and warm in graphs  # replayed: kept longer
+    assert sim._replay("prefix", oldest) == 0.1
+
+
+def test_a_uniform_closed_loop_meets_only_warm_graphs_and_a_mixed_workload_others():
+    """The warm-up's shapes cover 10 s streams of one prompt length; the mixed workload's
+    ragged batches and long streams meet shapes it did not capture, each paid in a batch."""
+    closed = closed_loop(SimConfig(), 64)
+    assert closed["graph_captures"] == {"plain": 0, "prefix": 0}
+    slow = poisson(SimConfig(gateways=2), 2.75, 10.0, seed=0, mix="mixed")
+    free = poisson(SimConfig(gateways=2, graph_capture_s=0.0), 2.75, 10.0, seed=0, mix="mixed")
+    assert slow["graph_captures"]["prefix"] > 0
+    assert slow["first_chunk_p95_ms"] > free["first_chunk_p95_ms"]
+
+
+def test_mixed_streams_have_their_own_prompts_and_share_their_voices_prompt_blocks():
+    from bench.workload import StreamShape
+
+    def computed(voices):
+        sim = Simulation(SimConfig(gateways=1))
+        for i, voice in enumerate(voices):
+            sim.add_stream(f"s{i}", 0.5 * i, 0.0, StreamShape(voice, 200, 100, 0.0, 1))
+        recs = sim.run()
+        assert all(r.num_tokens == 100 for r in recs)
+        return sim.computed_frames, sim.seq_frames
+
+    own, seq = computed([0, 1])
+    shared, seq_shared = computed([0, 0])
+    assert seq == seq_shared  # the same sequences: 200-token prompts, 100 tokens each
+    # the second stream of voice 0 reads the voice's 7 prompt blocks in its first chunk
+    assert own - shared == 350

@@ -152,7 +152,7 @@ class PrefixCache:
         self.capacity = budget_bytes // self.block_bytes  # blocks handed out
         self.zero_block = self.capacity
         self.scratch_blocks = -(-SCRATCH_QUERY_BLOCKS // (num_steps * depth))
-        self.scratch_query_blocks = self.scratch_blocks * num_steps * depth
+        self.scratch_query_blocks = scratch_query_blocks(num_steps, depth)
         self._pool: torch.Tensor | None = None
         # min-heap, lowest id first: a row's blocks, and the rows of a batch, get consecutive
         # ids, which the eager solve then moves with one strided copy per run
@@ -420,6 +420,14 @@ KV_BUFFER_BYTES = 2 << 30
 # step. graph_max_frames (12288) keeps a graphed batch of the default runner near 620; a solve
 # that would need more runs eagerly (FlowRunner.graphed).
 SCRATCH_QUERY_BLOCKS = 640
+
+
+def scratch_query_blocks(num_steps: int, depth: int) -> int:
+    """Query blocks a graphed solve may hold in scratch: SCRATCH_QUERY_BLOCKS, rounded up to
+    whole scratch blocks of num_steps x depth slices."""
+    return -(-SCRATCH_QUERY_BLOCKS // (num_steps * depth)) * num_steps * depth
+
+
 SLICE_RUNS = 2  # new frames: up to this many slice copies per layer, else one index copy
 
 
