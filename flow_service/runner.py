@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from flow_service.model import FlowModel, FlowRequest, PrefixCache
-from flow_service.model.prefix_cache import PrefixPlan, PrefixStep
+from flow_service.model.prefix_cache import PrefixPlan, PrefixStep, query_bucket
 from flow_service.warmup import warmup_batch
 from token2wav.faults import FaultInjector
 
@@ -79,7 +79,7 @@ GRAPH_FRAME_MULTIPLE = 100  # a plain graphed batch's frames are padded to a mul
 # masked keys, cheap next to the queries' own compute.
 GRAPH_PREFIX_MULTIPLE = 200
 # Prefix graphs kept (least recently used go first): every shape the warm-up captures
-# (`prefix_graph_shapes`: 138 at the default --graph-max-frames) and this many met later.
+# (`prefix_graph_shapes`: 210 at the default --graph-max-frames) and this many met later.
 PREFIX_GRAPHS_SPARE = 64
 PLAIN_GRAPHS_KEPT = 128  # graphs of batches that do not read the cache: 88 from the warm-up
 # The warm-up captures plain graphs up to this many frames and prefix graphs up to this padded
@@ -123,11 +123,11 @@ def plain_graph_shapes(
 
 def prefix_graph_key(rows: int, prefix: int, queries: int, block: int) -> tuple[int, int, int]:
     """(rows, padded prefix, query frames) of the prefix graph a batch replays: rows to their
-    bucket, the longest cached prefix to GRAPH_PREFIX_MULTIPLE, the longest query run to whole
-    blocks (flow_service/model/prefix_cache.py `solve_with_prefix`)."""
+    bucket, the longest cached prefix to GRAPH_PREFIX_MULTIPLE, the longest query run to its
+    `query_bucket` of blocks (flow_service/model/prefix_cache.py `solve_with_prefix`)."""
     multiple = max(GRAPH_PREFIX_MULTIPLE, block)
     padded_prefix = -(-prefix // multiple) * multiple
-    return graph_rows(rows), padded_prefix, -(-queries // block) * block
+    return graph_rows(rows), padded_prefix, query_bucket(-(-queries // block)) * block
 
 
 def prefix_graph_shapes(
@@ -138,23 +138,25 @@ def prefix_graph_shapes(
     max_prefix: int = WARMUP_MAX_PREFIX,
 ) -> list[tuple[int, int, int]]:
     """(rows, padded prefix, query frames) of the prefix graphs captured before serving:
-    every row bucket and padded prefix up to `max_prefix` frames that `FlowRunner.graphed`
-    would send to graphs (`max_rows`, `max_frames`: its bounds), with 1, 2 or 4 blocks of
-    queries (a block call; upstream's first chunk and its second, hops of 25 and 50 tokens;
-    its later ones, 100). Other shapes are captured when first met, inside a batch: ~0.1 s
+    every row bucket, padded prefix up to `max_prefix` frames and `query_bucket` up to
+    WARMUP_MAX_FRAMES query frames for which some batch of that key is one `FlowRunner.graphed`
+    sends to graphs (`max_rows`, `max_frames`: its bounds): its fewest rows, its shortest
+    prefix and queries. Other shapes are captured when first met, inside a batch: ~0.1 s
     each, which a burst of new streams pays once per shape (the closed loop of 64 measured
     it: docs/bench/2026-12-06-h100.md)."""
     buckets = row_buckets(max_rows)
     fewest = dict(zip(buckets, [1] + [b + 1 for b in buckets[:-1]], strict=True))
+    query_sizes = [
+        block << i for i in range(WARMUP_MAX_FRAMES // block) if block << i <= WARMUP_MAX_FRAMES
+    ]
     return [
         (rows, prefix, queries)
-        for queries in (block, 2 * block, 4 * block)
+        for queries in query_sizes
         for rows in buckets
         for prefix in range(0, max_prefix + 1, GRAPH_PREFIX_MULTIPLE)
-        # some batch of this key fits: its fewest rows, its shortest prefix
         if graph_fits(
             fewest[rows],
-            queries + max(0, prefix - GRAPH_PREFIX_MULTIPLE + block) // 2,
+            max(block, queries // 2 + block) + max(0, prefix - GRAPH_PREFIX_MULTIPLE + block) // 2,
             max_rows,
             max_frames,
         )
@@ -229,7 +231,7 @@ class FlowRunner:
                 req.num_seq_frames - row.prefix
                 for req, row in zip(requests, plan.rows, strict=True)
             )
-            query_blocks = graph_rows(len(requests)) * -(-queries // plan.cache.block)
+            query_blocks = graph_rows(len(requests)) * query_bucket(-(-queries // plan.cache.block))
             if plan.active and query_blocks > plan.cache.scratch_query_blocks:
                 return False
         return self.graphs is not None and graph_fits(

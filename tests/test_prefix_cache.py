@@ -315,8 +315,8 @@ def test_indexed_solve_equals_the_assembled_one(model, prefix_multiple):
     """The graphs' layout (`PrefixStep`: K/V moved by index, [padded prefix | queries], the
     zero block and the scratch), run eagerly here, gives the mel of the eager `_KVAssembler` solve
     and of recomputation, and the cache the same entries: uniform batches of one call index,
-    a batch mixing a hit, a first chunk and a final call, one row twice, and a row of
-    6 blocks of queries."""
+    a batch mixing a hit, a first chunk and a final call, one row twice, and a row whose
+    6 blocks of queries the graphs' layout pads to 8 (`query_bucket`)."""
     from flow_service.model.prefix_cache import PrefixStep
 
     streams = [stream_calls(make_voice(50 + i, 35), f"x{i}", 230, seed=130 + i) for i in range(4)]
@@ -649,7 +649,7 @@ def test_warm_up_captures_the_prefix_graph_shapes_of_the_upstream_schedule(model
             solve(call)
         skipping = stream_calls(voice, f"skip-{n_p}", 400, seed=3)
         for call in (skipping[0], skipping[2]):  # its second chunk's blocks are not cached:
-            solve(call)  # the third computes 6 blocks
+            solve(call)  # the third computes 6 blocks, padded to 8 (`query_bucket`)
         tokens = stream_calls(voice, "t", 400, seed=2)[-3].tokens
         blocks = BlockPlanner(n_p)
         for arrived in range(1, 300):  # tokens one at a time: a call per block
@@ -658,5 +658,4 @@ def test_warm_up_captures_the_prefix_graph_shapes_of_the_upstream_schedule(model
     runner = FlowRunner(model, prefix_cache=cache, graph_max_frames=FlowConfig.graph_max_frames)
     shapes = runner.prefix_graph_shapes()
     captured = {shape_of(step.example_args(*s)) for s in shapes if s[0] == 1}
-    uncaptured = {shape_of(step.example_args(1, 200, 300))}  # the skipping stream's 6 blocks
-    assert len(met) >= 6 and met - uncaptured <= captured
+    assert len(met) >= 6 and met <= captured

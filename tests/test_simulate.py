@@ -444,13 +444,12 @@ def test_a_graph_shape_met_first_in_a_batch_costs_one_capture_and_the_oldest_goe
 
 def test_a_uniform_closed_loop_meets_only_warm_graphs_and_a_mixed_workload_others():
     """The warm-up's shapes cover 10 s streams of one prompt length; the mixed workload's
-    ragged batches and long streams meet shapes it did not capture, each paid in a batch."""
+    long streams' final calls (past the warm-up's 800 frames) meet plain graphs it did not
+    capture, each paid in a batch (`_replay`'s cost: the test above)."""
     closed = closed_loop(SimConfig(), 64)
     assert closed["graph_captures"] == {"plain": 0, "prefix": 0}
-    slow = poisson(SimConfig(gateways=2), 2.75, 10.0, seed=0, mix="mixed")
-    free = poisson(SimConfig(gateways=2, graph_capture_s=0.0), 2.75, 10.0, seed=0, mix="mixed")
-    assert slow["graph_captures"]["prefix"] > 0
-    assert slow["first_chunk_p95_ms"] > free["first_chunk_p95_ms"]
+    mixed = poisson(SimConfig(gateways=2), 2.75, 10.0, seed=0, mix="mixed")
+    assert mixed["graph_captures"]["plain"] > 0
 
 
 def test_mixed_streams_have_their_own_prompts_and_share_their_voices_prompt_blocks():

@@ -428,6 +428,14 @@ def scratch_query_blocks(num_steps: int, depth: int) -> int:
     return -(-SCRATCH_QUERY_BLOCKS // (num_steps * depth)) * num_steps * depth
 
 
+def query_bucket(blocks: int) -> int:
+    """The query blocks a graphed prefix solve of `blocks` pads to: the next power of two.
+    A ragged batch's longest query run can be any number of blocks, and each number would be
+    a graph of its own, captured inside the first batch that meets it (~0.1 s); padded query
+    frames are masked like a shorter row's, so no result changes."""
+    return 1 << (blocks - 1).bit_length()
+
+
 SLICE_RUNS = 2  # new frames: up to this many slice copies per layer, else one index copy
 
 
@@ -779,7 +787,7 @@ def solve_with_prefix(
     if step is not None:
         if not mask_padding:
             raise ValueError("mask_padding: the indexed prefix solve always masks padding")
-        q_max = -(-q_max // cache.block) * cache.block
+        q_max = query_bucket(-(-q_max // cache.block)) * cache.block
         p_multiple = max(prefix_multiple, cache.block)
         p_max = -(-int(prefix.max()) // p_multiple) * p_multiple
     prefix_d = prefix.to(dev)
