@@ -479,7 +479,7 @@ class Simulation:
         # shape key -> None, least recently replayed first, as the runner's GraphedEstimators
         self.graphs = {
             "plain": (
-                dict.fromkeys(plain_graph_shapes(rows, GRAPH_FRAME_MULTIPLE)),
+                dict.fromkeys(plain_graph_shapes(rows, bound, GRAPH_FRAME_MULTIPLE)),
                 PLAIN_GRAPHS_KEPT,
             ),
             "prefix": (dict.fromkeys(warm_prefix), len(warm_prefix) + PREFIX_GRAPHS_SPARE),

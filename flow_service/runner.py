@@ -81,7 +81,7 @@ GRAPH_PREFIX_MULTIPLE = 200
 # Prefix graphs kept (least recently used go first): every shape the warm-up captures
 # (`prefix_graph_shapes`: 210 at the default --graph-max-frames) and this many met later.
 PREFIX_GRAPHS_SPARE = 64
-PLAIN_GRAPHS_KEPT = 128  # graphs of batches that do not read the cache: 88 from the warm-up
+PLAIN_GRAPHS_KEPT = 128  # graphs of batches that do not read the cache: 55 from the warm-up
 # The warm-up captures plain graphs up to this many frames and prefix graphs up to this padded
 # prefix; a shape past them is captured inside the first batch that meets it.
 WARMUP_MAX_FRAMES = 800
@@ -110,14 +110,16 @@ def row_buckets(max_rows: int) -> list[int]:
 
 
 def plain_graph_shapes(
-    max_rows: int, frame_multiple: int, max_frames: int = WARMUP_MAX_FRAMES
+    max_rows: int, max_frames: int, frame_multiple: int, longest: int = WARMUP_MAX_FRAMES
 ) -> list[tuple[int, int]]:
     """(rows, padded frames) of the plain graphs the warm-up captures: every row bucket and
-    frame bucket up to `max_frames`."""
+    frame bucket up to `longest` that `FlowRunner.graphed` sends to graphs (`max_rows`,
+    `max_frames`: its bounds; a larger warm-up batch would run eagerly and capture nothing)."""
     return [
         (rows, t)
         for rows in row_buckets(max_rows)
-        for t in range(frame_multiple, max_frames + 1, frame_multiple)
+        for t in range(frame_multiple, longest + 1, frame_multiple)
+        if graph_fits(rows, t, max_rows, max_frames)
     ]
 
 
@@ -274,7 +276,9 @@ class FlowRunner:
         """Batches covering `plain_graph_shapes`, to capture before SERVING."""
         if self.graphs is None:
             return []
-        shapes = plain_graph_shapes(self.graph_max_batch, self.graph_frame_multiple)
+        shapes = plain_graph_shapes(
+            self.graph_max_batch, self.graph_max_frames, self.graph_frame_multiple
+        )
         return [warmup_batch(rows, t) for rows, t in shapes]
 
     def close(self) -> None:
