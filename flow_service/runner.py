@@ -79,7 +79,7 @@ GRAPH_FRAME_MULTIPLE = 100  # a plain graphed batch's frames are padded to a mul
 # masked keys, cheap next to the queries' own compute.
 GRAPH_PREFIX_MULTIPLE = 200
 # Prefix graphs kept (least recently used go first): every shape the warm-up captures
-# (`prefix_graph_shapes`: 210 at the default --graph-max-frames) and this many met later.
+# (`prefix_graph_shapes`: 228 at the default --graph-max-frames) and this many met later.
 PREFIX_GRAPHS_SPARE = 64
 PLAIN_GRAPHS_KEPT = 128  # graphs of batches that do not read the cache: 55 from the warm-up
 # The warm-up captures plain graphs up to this many frames and prefix graphs up to this padded
@@ -148,20 +148,19 @@ def prefix_graph_shapes(
     it: docs/bench/2026-12-06-h100.md)."""
     buckets = row_buckets(max_rows)
     fewest = dict(zip(buckets, [1] + [b + 1 for b in buckets[:-1]], strict=True))
-    query_sizes = [
-        block << i for i in range(WARMUP_MAX_FRAMES // block) if block << i <= WARMUP_MAX_FRAMES
-    ]
+
+    def shortest(queries: int, prefix: int) -> int:
+        """The least work per row (FlowRunner.graphed's) of a batch of this key: its longest
+        query run and its longest prefix may be different rows'."""
+        fewest_queries = queries // 2 + block if queries > block else block
+        return max(fewest_queries, max(0, prefix - GRAPH_PREFIX_MULTIPLE + block) // 2 + block)
+
     return [
         (rows, prefix, queries)
-        for queries in query_sizes
+        for queries in (block << i for i in range((WARMUP_MAX_FRAMES // block).bit_length()))
         for rows in buckets
         for prefix in range(0, max_prefix + 1, GRAPH_PREFIX_MULTIPLE)
-        if graph_fits(
-            fewest[rows],
-            max(block, queries // 2 + block) + max(0, prefix - GRAPH_PREFIX_MULTIPLE + block) // 2,
-            max_rows,
-            max_frames,
-        )
+        if graph_fits(fewest[rows], shortest(queries, prefix), max_rows, max_frames)
         and rows * (queries // block) <= scratch_query_blocks
     ]
 

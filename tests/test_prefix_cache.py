@@ -659,3 +659,40 @@ def test_warm_up_captures_the_prefix_graph_shapes_of_the_upstream_schedule(model
     shapes = runner.prefix_graph_shapes()
     captured = {shape_of(step.example_args(*s)) for s in shapes if s[0] == 1}
     assert len(met) >= 6 and met <= captured
+
+
+def test_warm_up_holds_the_key_of_every_graphed_prefix_batch_it_covers():
+    """Any batch `FlowRunner.graphed` sends to prefix graphs, with prefixes and query runs
+    within the warm-up's range, replays a graph the warm-up captured: its key's longest query
+    run and longest prefix may be different rows', and its rows fewer than its bucket's."""
+    import random
+
+    from flow_service.config import FlowConfig
+    from flow_service.model.prefix_cache import query_bucket, scratch_query_blocks
+    from flow_service.runner import (
+        WARMUP_MAX_FRAMES,
+        WARMUP_MAX_PREFIX,
+        graph_fits,
+        graph_rows,
+        prefix_graph_key,
+        prefix_graph_shapes,
+    )
+
+    block, bound, max_rows = 50, FlowConfig.graph_max_frames, FlowConfig.graph_max_batch
+    scratch = scratch_query_blocks(10, 22)
+    shapes = set(prefix_graph_shapes(max_rows, bound, block, scratch))
+    rng = random.Random(0)
+    graphed = 0
+    for i in range(20000):
+        n = rng.randint(1, max_rows)
+        prefixes = [block * rng.randint(0, WARMUP_MAX_PREFIX // block) for _ in range(n)]
+        queries = [block * rng.randint(1, WARMUP_MAX_FRAMES // block) for _ in range(n)]
+        if i % 2 and n > 1:  # the longest prefix and the longest queries in different rows
+            prefixes[1:], queries[0] = [0] * (n - 1), block
+            queries[2:] = [block] * (n - 2)
+        longest = max(p + q - p // 2 for p, q in zip(prefixes, queries, strict=True))
+        q_blocks = graph_rows(n) * query_bucket(max(queries) // block)
+        if graph_fits(n, longest, max_rows, bound) and q_blocks <= scratch:
+            graphed += 1
+            assert prefix_graph_key(n, max(prefixes), max(queries), block) in shapes
+    assert graphed > 500

@@ -151,8 +151,8 @@ class PrefixCache:
         self.frame_x_bytes = num_steps * mel_dim * item
         self.capacity = budget_bytes // self.block_bytes  # blocks handed out
         self.zero_block = self.capacity
-        self.scratch_blocks = -(-SCRATCH_QUERY_BLOCKS // (num_steps * depth))
         self.scratch_query_blocks = scratch_query_blocks(num_steps, depth)
+        self.scratch_blocks = self.scratch_query_blocks // (num_steps * depth)
         self._pool: torch.Tensor | None = None
         # min-heap, lowest id first: a row's blocks, and the rows of a batch, get consecutive
         # ids, which the eager solve then moves with one strided copy per run
