@@ -5,8 +5,8 @@ batching, slack order, preemption decisions: flow_service/core.py), its graph ro
 `PlaybackClock` (chunk shapes, playback deadlines), the vocoder's graph shape buckets
 (`ShapeBuckets`), the bench's workload (`chunk_needs`, Poisson arrivals) and its metrics
 (`bench.metrics.summarize`: first-chunk latency and stages, stack-added stalls), the uniform
-and the mixed workloads (`WorkloadConfig.shape`, tokens in bursts as bench/loadgen.py sends them). What is
-modelled:
+and the mixed workloads (`WorkloadConfig.shape`, tokens in bursts as bench/loadgen.py sends
+them). What is modelled:
 
   flow batch time   `FlowCostFit`: a CUDA-graphed solve (rows rounded up to the graph row bucket,
                     frames to a multiple of 100) costs a launch floor plus, per row,
@@ -78,7 +78,7 @@ from flow_service.config import FlowConfig
 from flow_service.core import EngineCore, Running
 from flow_service.costmodel import CostModel
 from flow_service.model.config import BLOCK_FRAMES, FLOW_PRESETS, NUM_STEPS
-from flow_service.model.prefix_cache import scratch_query_blocks
+from flow_service.model.prefix_cache import prompt_blocks, scratch_query_blocks
 from flow_service.runner import (
     GRAPH_FRAME_MULTIPLE,
     GRAPH_PREFIX_MULTIPLE,
@@ -247,8 +247,9 @@ class SimConfig:
     # A graphed batch whose shape has no graph yet captures one first (FlowRunner: the
     # warm-up's shapes, `plain_graph_shapes` and `prefix_graph_shapes` up to
     # `warmup_max_prefix`, are there from the start; least recently used ones go past
-    # PLAIN_GRAPHS_KEPT, or PREFIX_GRAPHS_SPARE more than the warm-up's). Its cost: the H100's one-row first chunk, 156 ms
-    # in the first batch that met its shape and 29.7 ms later (docs/bench/2026-12-06-h100.md).
+    # PLAIN_GRAPHS_KEPT, or PREFIX_GRAPHS_SPARE more than the warm-up's). Its cost: the H100's
+    # one-row first chunk, 156 ms in the first batch that met its shape and 29.7 ms later
+    # (docs/bench/2026-12-06-h100.md).
     graph_capture_s: float = 0.126
     warmup_max_prefix: int = WARMUP_MAX_PREFIX
 
@@ -708,9 +709,8 @@ class Simulation:
         stores, graphed = self._cache_plans.pop(id(plan))
         for s, end in stores:
             s.cached_frames = max(s.cached_frames, end)
-            # PrefixCache: a voice entry holds the blocks made of prompt frames only
-            voice = max(0, TOKEN_MEL_RATIO * (s.prompt_tokens - LOOKAHEAD_TOKENS))
-            voice = min(end, voice // BLOCK_FRAMES * BLOCK_FRAMES)
+            blocks = prompt_blocks(s.prompt_tokens, TOKEN_MEL_RATIO, LOOKAHEAD_TOKENS, BLOCK_FRAMES)
+            voice = min(end, blocks * BLOCK_FRAMES)  # the voice entry's, once they are stored
             if voice > self.voice_frames.get(s.voice, 0):
                 self.voice_frames[s.voice] = voice
         return graphed

@@ -309,7 +309,7 @@ class PrefixCache:
                 # a non-final call (its lookahead tokens produce no frames).
                 end = req.num_seq_frames // self.block
                 n_p = req.voice.num_prompt_tokens
-                voice_blocks = max(0, self.ratio * (n_p - self.lookahead)) // self.block
+                voice_blocks = prompt_blocks(n_p, self.ratio, self.lookahead, self.block)
                 want_voice = (
                     self.share_voice_blocks
                     and voice_blocks > 0
@@ -420,6 +420,12 @@ KV_BUFFER_BYTES = 2 << 30
 # step. graph_max_frames (12288) keeps a graphed batch of the default runner near 620; a solve
 # that would need more runs eagerly (FlowRunner.graphed).
 SCRATCH_QUERY_BLOCKS = 640
+
+
+def prompt_blocks(num_prompt_tokens: int, ratio: int, lookahead: int, block: int) -> int:
+    """Blocks made of prompt frames only (their lookahead reads prompt tokens): what a voice
+    entry holds and shares with the voice's streams."""
+    return max(0, ratio * (num_prompt_tokens - lookahead)) // block
 
 
 def scratch_query_blocks(num_steps: int, depth: int) -> int:
