@@ -257,6 +257,7 @@ class FlowEngine:
         outputs, wall, own = execute_contained(
             self.runner, [c.payload for c in plan.calls], between_steps, _count_fault
         )
+        plan.path = self.runner.last_path
         if len(outputs) != len(plan.calls):
             raise SlotMismatch(f"model returned {len(outputs)} results for {len(plan.calls)} slots")
         return outputs, wall, own
@@ -327,7 +328,7 @@ class FlowEngine:
             lengths = sorted(c.num_seq_frames for c in plan.calls)
             logger.info(
                 "batch %d%s: %d reqs, T %d..%d, padded %d, efficiency %.2f, first-chunks %d, "
-                "%.1f ms",
+                "%s, %.1f ms (own %.1f), waited %.1f ms",
                 self.core.num_batches,
                 " (urgent, between steps)" if plan.urgent else "",
                 n,
@@ -336,7 +337,10 @@ class FlowEngine:
                 plan.num_padded_frames,
                 plan.padding_efficiency,
                 sum(c.is_first_chunk for c in plan.calls),
+                plan.path,
                 compute_s * 1e3,
+                own_s * 1e3,
+                (started - min(c.arrival for c in plan.calls)) * 1e3,
             )
         for slot, call in enumerate(plan.calls):
             call.status = CallStatus.DONE

@@ -213,6 +213,9 @@ class FlowRunner:
                     share=self.graphs,
                 )
         self._nested_s = 0.0  # runner thread only: time spent in urgent batches
+        # Runner thread only: how the latest batch ran, for --log-batches ("graph+prefix",
+        # "eager", ...; "captured N" when it captured graphs, ~0.1 s each).
+        self.last_path = ""
         self.faults: FaultInjector | None = None  # tests only: errors raised before a batch
 
     def graphed(self, requests: list[FlowRequest], plan: PrefixPlan | None = None) -> bool:
@@ -294,6 +297,7 @@ class FlowRunner:
         cache = self.prefix_cache if use_cache else None
         if self.stream is None:
             hook = self._hook(ask_engine, sync_every_step=False)
+            self.last_path = "cpu"
             return self.model.generate(requests, between_steps=hook, prefix_cache=cache)
         self.model.validate(requests)  # before the plan pins blocks
         plan = cache.plan(requests) if cache is not None else None
@@ -305,6 +309,7 @@ class FlowRunner:
         # wanted.
         hook = self._hook(ask_engine, sync_every_step=not graphed)
         num = len(requests)
+        captures = self._num_captures()
         with torch.cuda.stream(self.stream):
             if graphed:
                 # Pad the batch to its row bucket with copies of a real row (rows are
@@ -327,7 +332,13 @@ class FlowRunner:
                     requests, between_steps=hook, prefix_cache=cache, plan=plan
                 )
         self.stream.synchronize()
+        path = ("graph" if graphed else "eager") + ("+prefix" if plan and plan.active else "")
+        captured = self._num_captures() - captures  # an urgent batch's between steps included
+        self.last_path = f"{path}, captured {captured}" if captured else path
         return outputs
+
+    def _num_captures(self) -> int:
+        return sum(g.num_captures for g in (self.graphs, self.prefix_graphs) if g is not None)
 
     def _hook(self, ask_engine: BetweenSteps | None, sync_every_step: bool):
         if ask_engine is None:

@@ -120,6 +120,7 @@ class Plan:
     calls: list[PendingCall]  # [num_reqs] slot i of the batch is calls[i]
     padded_len: int  # longest T in the batch
     urgent: bool = False  # first chunks run between the steps of a running batch
+    path: str = ""  # how the runner ran it (FlowRunner.last_path), for --log-batches
 
     @property
     def num_padded_frames(self) -> int:

@@ -359,7 +359,9 @@ def test_replicated_stack_spreads_flow_calls_over_every_replica(tmp_path):
     logs = sorted((tmp_path / "logs").glob("batching-on-flow_service*.log"))
     assert len(logs) == 2
     for log in logs:
-        assert " reqs, T " in log.read_text(), f"{log.name} computed no batch"
+        text = log.read_text()
+        assert " reqs, T " in text, f"{log.name} computed no batch"
+        assert ", cpu, " in text and " (own " in text  # the runner's path and own time
     assert len(list((tmp_path / "logs").glob("batching-on-gateway*.log"))) == 2
     gateway_cmd = (tmp_path / "logs" / "batching-on-gateway.1.log").read_text().splitlines()[0]
     flow_addrs = gateway_cmd.split("--flow-addr ")[1].split()[0].split(",")

@@ -518,6 +518,9 @@ def test_gpu_runner_graphs_over_the_cache(dtype):
             assert cache.stats["hits"] >= 6
         if name == "both":
             assert len(runner.prefix_graphs) >= 2  # the later calls replayed prefix graphs
+            assert runner.last_path.startswith("graph+prefix")
+        if name == "eager":
+            assert runner.last_path == "eager+prefix"
         runner.close()
         del runner, cache
         torch.cuda.empty_cache()

@@ -47,6 +47,7 @@ class GraphedEstimator:
         self.warmup = warmup
         self._graphs: OrderedDict[tuple, _Entry] = OrderedDict()  # shape key -> entry
         self._pool = None
+        self.num_captures = 0  # since start, evicted graphs' too (--log-batches names them)
         # Graphs of another estimator that never replays at the same time (the same runner
         # thread and stream) may share the memory pool: the two sets then cost one.
         self._share = share
@@ -93,6 +94,7 @@ class GraphedEstimator:
             output = self.estimator(*static)
         entry = _Entry(graph, static, output)
         self._graphs[key] = entry
+        self.num_captures += 1
         return entry
 
 
