@@ -78,7 +78,7 @@ from flow_service.config import FlowConfig
 from flow_service.core import EngineCore, Running
 from flow_service.costmodel import CostModel
 from flow_service.model.config import BLOCK_FRAMES, FLOW_PRESETS, NUM_STEPS
-from flow_service.model.prefix_cache import prompt_blocks, scratch_query_blocks
+from flow_service.model.prefix_cache import prompt_blocks, readable_prefix, scratch_query_blocks
 from flow_service.runner import (
     GRAPH_FRAME_MULTIPLE,
     GRAPH_PREFIX_MULTIPLE,
@@ -631,6 +631,7 @@ class Simulation:
             stream=s.sid,
             token_offset=chunk.token_offset,
             final=chunk.finalize,
+            num_cached_frames=self._readable(s, chunk, frames),
             sent=sent,
         )
         self.flow.add(call)
@@ -664,8 +665,7 @@ class Simulation:
             s, chunk, _ = call.payload
             prefix = 0
             if not call.final:
-                out_start = TOKEN_MEL_RATIO * (s.prompt_tokens + chunk.token_offset)
-                limit = min(out_start, call.num_seq_frames) // BLOCK_FRAMES * BLOCK_FRAMES
+                limit = self._readable(s, chunk, call.num_seq_frames)
                 cached = max(s.cached_frames, self.voice_frames.get(s.voice, 0))
                 prefix = min(cached, limit)
                 end = call.num_seq_frames // BLOCK_FRAMES * BLOCK_FRAMES
@@ -690,6 +690,13 @@ class Simulation:
             key = prefix_graph_key(rows, max(prefixes), queries, BLOCK_FRAMES)
             return self._replay("prefix", key) + fit.prefix_graphed_s(rows, key[2], max(prefixes))
         return fit.eager_s(rows, plan.padded_len, queries, stored)
+
+    @staticmethod
+    def _readable(s: _Stream, chunk, num_seq_frames: int) -> int:
+        """prefix_cache.readable_prefix of a call: the service's final calls have full
+        attention, its other calls stream."""
+        out_start = TOKEN_MEL_RATIO * (s.prompt_tokens + chunk.token_offset)
+        return readable_prefix(out_start, num_seq_frames, not chunk.finalize, BLOCK_FRAMES)
 
     def _replay(self, kind: str, key: tuple) -> float:
         """A graphed batch replays the graph of `key`: the seconds of capturing it first, if

@@ -36,6 +36,7 @@ from flow_service.contain import execute_contained
 from flow_service.core import EngineCore, Running
 from flow_service.costmodel import CostModel, num_solver_steps
 from flow_service.model import FlowModel, FlowRequest, PrefixCache
+from flow_service.model.prefix_cache import readable_prefix
 from flow_service.runner import GRAPH_FRAME_MULTIPLE, BetweenSteps, FlowRunner, UrgentRequest
 from flow_service.scheduler import BatchPolicy, CallStatus, PendingCall, Plan, Scheduler
 from token2wav.errors import DeadlineExceeded, ResourceExhausted, ServiceError, Unavailable
@@ -173,6 +174,7 @@ class FlowEngine:
             stream=request.cache_key,
             token_offset=request.token_offset,
             final=request.finalize,
+            num_cached_frames=self._cached_frames(request),
             sent=sent,
         )
         self.core.add(call)  # RESOURCE_EXHAUSTED when full: at once, queue unchanged
@@ -194,6 +196,18 @@ class FlowEngine:
             raise
         finally:
             self._futures.pop(call.call_id, None)
+
+    def _cached_frames(self, request: FlowRequest) -> int:
+        """What the call should read from the prefix cache: its stream's earlier calls ran
+        before it (`submit`), so their blocks are in unless evicted."""
+        if self.prefix_cache is None:
+            return 0
+        return readable_prefix(
+            request.out_start_frame,
+            request.num_seq_frames,
+            request.streaming,
+            self.prefix_cache.block,
+        )
 
     def _fail(self, call: PendingCall, exc: Exception) -> None:
         future = self._futures.get(call.call_id)

@@ -3,7 +3,8 @@
 Calls from all streams wait in one queue. When the runner is free, `Scheduler.schedule()` makes
 a `Plan`: the highest-priority call is the anchor, then further calls join in priority order
 while the batch stays within `max_batch_size` rows, `max_batch_frames` padded frames
-(rows x longest sequence) and `min_padding_efficiency` (real frames / padded frames). Priority:
+(rows x longest sequence) and `min_padding_efficiency` (real frames / padded frames, of the
+sequences and of the frames computed past the prefix cache's, `num_query_frames`). Priority:
 the first chunk of a new stream before later chunks of old streams (time to first audio), then
 the earliest deadline, then arrival order. Because the anchor is always the top call, a call
 that does not fit a batch only waits for the batches in front of it; nothing starves.
@@ -97,8 +98,15 @@ class PendingCall:
     stream: str = ""
     token_offset: int = 0
     final: bool = False
+    # Of the sequence, the frames it should read from the prefix cache rather than compute
+    # (prefix_cache.readable_prefix; 0: all computed). Padding counts computed frames too.
+    num_cached_frames: int = 0
     sent: float = -math.inf  # when the caller fixed `due` (it reached the service): lateness
     # of the stream's calls that finished after this moment is not in `due` yet
+
+    @property
+    def num_query_frames(self) -> int:
+        return self.num_seq_frames - self.num_cached_frames
 
     def priority(self) -> tuple:
         return (not self.is_first_chunk, self.deadline, self.arrival, self.call_id)
@@ -317,6 +325,7 @@ class Scheduler:
             order = [c for c in order if c.is_first_chunk]
         chosen = [lead]
         padded = real = lead.num_seq_frames
+        padded_q = real_q = lead.num_query_frames
         p = self.policy
         est = self.cost.estimate if by_slack else None
         free_rows = 0  # rows that may join without the on-time limit (a crowded queue)
@@ -343,9 +352,17 @@ class Scheduler:
             if len(chosen) >= max_rows:
                 break
             new_padded = max(padded, call.num_seq_frames)
+            new_padded_q = max(padded_q, call.num_query_frames)
             rows = len(chosen) + 1
-            fits = rows * new_padded <= p.max_batch_frames and (
-                (real + call.num_seq_frames) / (rows * new_padded) >= p.min_padding_efficiency
+            # Padding in the frames computed as well as in the sequence: a batch pads every
+            # row's computed frames to its longest row's (the cache's query run), so a final
+            # call (all of its frames) and a later chunk of the same length reading most of
+            # its frames from the cache make a batch that computes the final's frames twice.
+            fits = (
+                rows * new_padded <= p.max_batch_frames
+                and (real + call.num_seq_frames) / (rows * new_padded) >= p.min_padding_efficiency
+                and (real_q + call.num_query_frames) / (rows * new_padded_q)
+                >= p.min_padding_efficiency
             )
             if est is not None and rows <= free_rows:
                 pass
@@ -363,6 +380,7 @@ class Scheduler:
                 continue
             chosen.append(call)
             padded, real = new_padded, real + call.num_seq_frames
+            padded_q, real_q = new_padded_q, real_q + call.num_query_frames
         taken = set(map(id, chosen))
         self.waiting = [c for c in self.waiting if id(c) not in taken]
         for call in chosen:

@@ -46,6 +46,31 @@ def test_frame_cap_and_padding_efficiency_keep_calls_out():
     assert len(s2.schedule().calls) == 2  # a third row would make 1200 padded frames
 
 
+def test_padding_counts_the_frames_computed_past_the_prefix_cache():
+    """A final call computes its whole 1000 frames; a later chunk of another stream, as long,
+    reads 900 of them from the cache. Together their sequences pad perfectly, but the batch
+    would compute 1000 frames for both rows (efficiency 1100 / 2000 < 0.7): the final waits,
+    and a chunk that computes about as much as the first joins it."""
+    s = Scheduler(BatchPolicy(max_batch_size=8, min_padding_efficiency=0.7))
+    chunk = PendingCall(1000, 100, False, math.inf, None, arrival=0, num_cached_frames=900)
+    final = PendingCall(1000, 200, False, math.inf, None, arrival=1, final=True)
+    other = PendingCall(800, 100, False, math.inf, None, arrival=2, num_cached_frames=700)
+    for c in (chunk, final, other):
+        s.add(c)
+    assert chunk.num_query_frames == 100 and final.num_query_frames == 1000
+    assert s.schedule().calls == [chunk, other]  # sequences 1800 / 2000, computed 200 / 200
+    assert s.schedule().calls == [final]
+    # with nothing cached the same three batch as before: the rule is the sequences' alone
+    s2 = Scheduler(BatchPolicy(max_batch_size=8, min_padding_efficiency=0.7))
+    plain = [
+        PendingCall(t, 100, False, math.inf, None, arrival=i)
+        for i, t in enumerate((1000, 1000, 800))
+    ]
+    for c in plain:
+        s2.add(c)
+    assert s2.schedule().calls == plain
+
+
 def test_first_chunks_apart_keeps_later_chunks_out_of_a_first_chunk_batch():
     s = Scheduler(BatchPolicy(min_padding_efficiency=0.0))
     later = [call(300, arrival=i) for i in range(3)]

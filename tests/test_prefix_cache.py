@@ -310,6 +310,40 @@ def test_engine_runs_a_streams_chunks_in_order_so_they_hit(model):
     assert ordered["reused_frames"] == calls[0].num_seq_frames + calls[1].num_seq_frames
 
 
+def test_the_engines_estimate_of_a_calls_cached_frames_is_what_the_cache_reads(model):
+    """`readable_prefix`, which the engine's scheduler pads by, against `PrefixCache.plan`:
+    each call of a stream, once its earlier calls ran, reads exactly that many frames (the
+    first chunk the voice's prompt blocks, stored by another stream of the voice; the
+    full-attention final call none). The engine gives each call that estimate."""
+    from flow_service.model.prefix_cache import readable_prefix
+
+    voice = make_voice(21, 35)
+    cache = new_cache(model)
+    model.generate([stream_calls(voice, "other", 80, seed=3)[0]], prefix_cache=cache)
+    calls = stream_calls(voice, "s", 230, seed=4)
+    reads = []
+    for c in calls:
+        plan = cache.plan([c])
+        reads.append(plan.rows[0].prefix)
+        cache.release(plan)
+        want = readable_prefix(c.out_start_frame, c.num_seq_frames, c.streaming, cache.block)
+        assert plan.rows[0].prefix == want, (c.token_offset, c.finalize, c.streaming)
+        if not c.finalize:  # a final call would end the stream's entry
+            model.generate([c], prefix_cache=cache)
+    assert reads[0] > 0 and reads[-2] == 0 and reads[-1] > reads[1] > reads[0]
+
+    async def submitted() -> list[int]:
+        engine = FlowEngine(model, BatchPolicy(), prefix_cache=cache)
+        got = []
+        engine.core.add = got.append  # the queue's view of each call, before it runs
+        for c in calls:
+            with pytest.raises(asyncio.TimeoutError):  # no loop runs it: only queued
+                await asyncio.wait_for(engine._submit_now(c, math.inf, math.inf, 0.0), 0.01)
+        return [call.num_cached_frames for call in got]
+
+    assert asyncio.run(submitted()) == reads
+
+
 @pytest.mark.parametrize("prefix_multiple", [50, 200])
 def test_indexed_solve_equals_the_assembled_one(model, prefix_multiple):
     """The graphs' layout (`PrefixStep`: K/V moved by index, [padded prefix | queries], the

@@ -279,9 +279,10 @@ class PrefixCache:
                     continue  # full attention: every frame sees the whole sequence
                 ids = all_token_ids(req)
                 vkey = self._voice_key(fp)
-                # Never past the first returned frame (a retried chunk recomputes its frames),
-                # never into the block the sequence ends in.
-                limit = min(req.out_start_frame, req.num_seq_frames) // self.block
+                limit = (
+                    readable_prefix(req.out_start_frame, req.num_seq_frames, True, self.block)
+                    // self.block
+                )
                 entry = self._entries.get(key) if key else None
                 use = self._usable(entry, ids, limit)
                 kind = "hits"
@@ -420,6 +421,16 @@ KV_BUFFER_BYTES = 2 << 30
 # step. graph_max_frames (12288) keeps a graphed batch of the default runner near 620; a solve
 # that would need more runs eagerly (FlowRunner.graphed).
 SCRATCH_QUERY_BLOCKS = 640
+
+
+def readable_prefix(out_start_frame: int, num_seq_frames: int, streaming: bool, block: int) -> int:
+    """Frames of a call's sequence it may read from the cache, if its stream's (or voice's)
+    earlier calls stored them: whole blocks, never past its first returned frame (a retried
+    chunk recomputes its frames) nor into the block its sequence ends in; none for a
+    full-attention call (every frame sees the whole sequence)."""
+    if not streaming:
+        return 0
+    return min(out_start_frame, num_seq_frames) // block * block
 
 
 def prompt_blocks(num_prompt_tokens: int, ratio: int, lookahead: int, block: int) -> int:
