@@ -101,7 +101,8 @@ def build_parser() -> EnvParser:
         "--log-batches",
         type=bool,
         default=d.log_batches,
-        help="log each batch's size, lengths, padding and time",
+        help="log each batch: its size, lengths, padding, how it ran (graph or eager, over the "
+        "prefix cache, graphs captured inside it), its time and its oldest call's wait",
     )
     return p
 
