@@ -4,7 +4,8 @@ Calls from all streams wait in one queue. When the runner is free, `Scheduler.sc
 a `Plan`: the highest-priority call is the anchor, then further calls join in priority order
 while the batch stays within `max_batch_size` rows, `max_batch_frames` padded frames
 (rows x longest sequence) and `min_padding_efficiency` (real frames / padded frames, of the
-sequences and of the frames computed past the prefix cache's, `num_query_frames`). Priority:
+sequences and of the frames computed, `num_query_frames`: what is not read from the prefix
+cache). Priority:
 the first chunk of a new stream before later chunks of old streams (time to first audio), then
 the earliest deadline, then arrival order. Because the anchor is always the top call, a call
 that does not fit a batch only waits for the batches in front of it; nothing starves.
