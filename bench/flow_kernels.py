@@ -4,8 +4,8 @@ r"""DiT kernel variants of the flow model, random weights: time, throughput, MFU
     python -m bench kernels --smoke                   # CPU, small preset, seconds
 
 kernels (`DiTKernels`; the flow service fuses norms on CUDA; writes OUT/kernels_bench.json after
-each case): baseline (SDPA with the dense additive bias, unfused norms) and fused (compiled gate
-+ residual + LN + modulate). Each case is B requests of T frames (3 s prompt + the rest emitted
+each case): baseline (SDPA with the dense additive bias, unfused norms), fused (compiled gate
++ residual + LN + modulate) and fused+rotary (also the rotary on q and k as one compiled kernel). Each case is B requests of T frames (3 s prompt + the rest emitted
 tokens), all streaming (non-final, block-causal) or all final (full attention), run as one
 `FlowModel.generate` (10 Euler steps, CFG: 2B solver rows; mel left on the device; with
 --graphs, every variant also as CUDA-graph replays for batches the service graphs). Per case:
@@ -35,7 +35,11 @@ from bench.flow_model import log, make_requests, timed_solve
 from flow_service.config import FlowConfig as FlowServiceConfig
 from flow_service.model import NUM_STEPS, DiTKernels, FlowModel, GraphedEstimator, load_flow
 
-VARIANTS = {"baseline": DiTKernels(), "fused": DiTKernels(fused_norms=True)}
+VARIANTS = {
+    "baseline": DiTKernels(),
+    "fused": DiTKernels(fused_norms=True),
+    "fused+rotary": DiTKernels(fused_norms=True, fused_rotary=True),
+}
 GRAPH_VARIANTS = {f"{name}+graphs": kernels for name, kernels in VARIANTS.items()}
 GRAPH_MAX_ROWS = FlowServiceConfig().graph_max_batch  # batches the service replays as graphs
 PEAK_TFLOPS = {"bf16": 790.0, "tf32": 395.0, "fp32": 67.0}

@@ -22,9 +22,11 @@ from flow_service.model.dit import (
     DiTLayer,
     norm_modulate,
     residual_norm_modulate,
+    rotate_qk_,
 )
 from flow_service.service import service_kernels
 
+FUSED = {"fused_norms": True, "fused_rotary": True}  # every fused kernel
 REL = 1e-5  # a kernel variant vs the plain path through a whole solve: max |diff| <= REL x max |mel| (fp32)
 FUSED_REL = 1e-6  # a compiled fused function vs the same function eagerly (fp32)
 
@@ -138,24 +140,56 @@ def check_compiled_fused(dtype: torch.dtype, device: str) -> None:
         assert_all_close(list(got_nomask), list(want_nomask), tol)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_fused_functions_on_cpu(dtype):
-    """Inductor's CPU backend (needs a C compiler); the CUDA twin is below."""
-    check_compiled_fused(dtype, "cpu")
+def check_compiled_rotary(dtype: torch.dtype, device: str) -> None:
+    """Compiled `rotate_qk_` against the eager one: both table layouts (positions 0..t-1, and
+    per-row positions of a prefix-cache window), ragged shapes compiling once per layout."""
+    from torch._dynamo.utils import counters
+
+    from flow_service.model.dit import RotaryEmbedding, _Compiled
+
+    torch._dynamo.reset()
+    fused = _Compiled(rotate_qk_)
+    rope = RotaryEmbedding(64).to(device)
+    g = torch.Generator().manual_seed(5)
+    graphs = None
+    for i, (rows, frames) in enumerate(((2, 100), (6, 37), (2, 250), (4, 77))):  # r = 2b
+        qkv = (torch.randn(rows, frames, 3 * 256, generator=g) * 2).to(device, dtype)
+        pos = torch.randint(0, 3000, (rows, frames), generator=g).to(device)
+        for tables in (rope.tables(frames), rope.tables_at(pos)):
+            want, got = qkv.clone(), qkv.clone()
+            with torch.inference_mode():
+                rotate_qk_(want, *tables)
+                fused(got, *tables)
+            assert not torch.equal(want, qkv)  # it rotated
+            assert torch.equal(got[..., 512:], qkv[..., 512:])  # v untouched
+            assert torch.equal(got[..., 64:256], qkv[..., 64:256])  # heads 1.. of q untouched
+            # fp32: rounding (an FMA); bf16: at most one rounding step of the stored value
+            tol = 1e-6 if dtype == torch.float32 else 2.0**-7
+            assert rel_err(got, want) <= tol
+        if i == 1:  # the first two shapes compiled each layout; later ones reuse them
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
-@pytest.mark.gpu
+# inductor's CPU backend (needs a C compiler), and CUDA
+COMPILE_DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.slow),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("device", COMPILE_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_fused_functions_on_cuda(dtype):
-    check_compiled_fused(dtype, "cuda")
+@pytest.mark.parametrize("check", [check_compiled_fused, check_compiled_rotary])
+def test_compiled_functions(check, dtype, device):
+    check(dtype, device)
 
 
 @pytest.mark.slow
 def test_compiled_fused_generate_on_cpu(model):
     reqs = ragged_requests()[:4]
     want = model.generate(reqs)
-    with kernels(model, fused_norms=True, compile_cpu=True):
+    with kernels(model, **FUSED, compile_cpu=True):
         got = model.generate(reqs)
     assert_all_close(got, want, REL)
 
@@ -169,7 +203,7 @@ def test_warm_up_compiles_what_serving_meets(model):
     torch._dynamo.reset()
     dit = model.decoder.estimator
     before = counters["stats"]["unique_graphs"]
-    with kernels(model, fused_norms=True, compile_cpu=True):
+    with kernels(model, **FUSED, compile_cpu=True):
         dit.warm_up_kernels()
         warmed = counters["stats"]["unique_graphs"]
         assert warmed > before
@@ -205,7 +239,7 @@ def test_cuda_kernels_match_the_plain_path():
     m = load_flow(None, preset="cosyvoice3-0.5b", device="cuda", seed=0)
     reqs: list[FlowRequest] = ragged_requests()
     want = m.generate(reqs)
-    for options in ({"fused_norms": True},):
+    for options in ({"fused_norms": True}, FUSED):
         with kernels(m, **options):
             assert_all_close(m.generate(reqs), want, REL)
             graphed = GraphedEstimator(m.decoder.estimator)
@@ -213,7 +247,7 @@ def test_cuda_kernels_match_the_plain_path():
             assert_all_close(got, m.generate(reqs[:3]), REL)
     calls = stream_calls(make_voice(12, 75), "gpu", 300, seed=60)[:-1]
     plain = [m.generate([c])[0] for c in calls]
-    with kernels(m, fused_norms=True):
+    with kernels(m, **FUSED):
         cache = PrefixCache.for_model(m, 4 << 30)
         got = [m.generate([c], prefix_cache=cache)[0] for c in calls]
     assert cache.stats["hits"] >= 2
@@ -232,7 +266,7 @@ def check_bf16_against_fp32(preset: str, device: str, reqs, **extra) -> None:
     def rms(x: torch.Tensor) -> float:
         return float(x.pow(2).mean().sqrt())
 
-    for options in ({"fused_norms": True},):
+    for options in ({"fused_norms": True}, FUSED):
         with kernels(m, **options, **extra):
             got = m.generate(reqs)
         for i, (g, p, r) in enumerate(zip(got, plain, ref, strict=True)):

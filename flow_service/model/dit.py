@@ -131,8 +131,8 @@ class _Compiled:
     """`fn` through torch.compile (inductor), compiled lazily on first use; every call that
     compiled a graph is logged with its time.
 
-    `ragged=True`: the batch and length dims (0 and 1 of each 3-d tensor argument; dim 1 only
-    where it is not a broadcast 1) are symbolic from the first compile, the width static, so
+    `ragged=True`: every dim of a tensor argument but its last (the width) is symbolic from
+    the first compile (dim 0 always, the others where they are not a broadcast 1), so
     every ragged batch reuses the graph compiled at warm-up. Otherwise dynamo's automatic
     dynamic shapes: static first, one recompile with the dims that changed symbolic. Either way
     recompiles are bounded by dynamo's recompile limit, past which it runs `fn` eagerly (same
@@ -158,10 +158,11 @@ class _Compiled:
                     self._compiled = torch.compile(self.fn, dynamic=None)
         if self.ragged:  # on every call (a few attribute writes): dynamo may have been reset
             for a in args:
-                if isinstance(a, torch.Tensor) and a.dim() == 3:
+                if isinstance(a, torch.Tensor) and a.dim() >= 2:
                     torch._dynamo.maybe_mark_dynamic(a, 0)
-                    if a.shape[1] != 1:
-                        torch._dynamo.maybe_mark_dynamic(a, 1)
+                    for dim in range(1, a.dim() - 1):
+                        if a.shape[dim] != 1:
+                            torch._dynamo.maybe_mark_dynamic(a, dim)
         graphs = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         out = self._compiled(*args)
@@ -187,9 +188,15 @@ class DiTKernels:
     fused_norms: gate + residual (+ the frame mask) + layer norm + AdaLN modulate as one
         compiled function between sublayers (torch.compile on CUDA; the same function eagerly
         elsewhere unless `compile_cpu`, which exists for tests).
+    fused_rotary: the rotary on q and k (`rotate_qk_`, five elementwise kernels eagerly, on a
+        64-channel slice: launch-bound) as one compiled kernel; compiled as `fused_norms` is.
     """
 
+    def rotate(self, x: torch.Tensor):
+        return _fused_rotate_qk_ if self.fused_rotary and self.compiled(x) else rotate_qk_
+
     fused_norms: bool = False
+    fused_rotary: bool = False
     compile_cpu: bool = False
 
     def compiled(self, x: torch.Tensor) -> bool:
@@ -326,6 +333,15 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None
     rot.copy_(rot * cos + swapped * sin)
 
 
+def rotate_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """`apply_rotary_` on q and k of one layer's fused projection qkv (r, t, 3 h e) in place."""
+    r, t, width = qkv.shape
+    apply_rotary_(qkv.view(r, t, 3, width // 3)[:, :, :2], cos, sin)
+
+
+_fused_rotate_qk_ = _Compiled(rotate_qk_)
+
+
 class Attention(SharesStorage):
     """Multi-head self-attention. q, k and v come from one GEMM: to_q, to_k and to_v keep their
     parameters (upstream's keys), which are the row blocks of `qkv_weight` / `qkv_bias`
@@ -349,11 +365,13 @@ class Attention(SharesStorage):
         self.qkv_weight = share_storage_([m.weight for m in linears], self.qkv_weight)
         self.qkv_bias = share_storage_([m.bias for m in linears], self.qkv_bias)
 
-    def forward(self, hidden, rope, attn_bias, frame_mask, kv=None) -> torch.Tensor:
+    def forward(
+        self, hidden, rope, attn_bias, frame_mask, kv=None, rotate=rotate_qk_
+    ) -> torch.Tensor:
         r, t, _ = hidden.shape
         inner = self.heads * self.dim_head
         qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)  # (r, t, 3 h e): [q | k | v]
-        apply_rotary_(qkv.view(r, t, 3, inner)[:, :, :2], *rope)  # q and k
+        rotate(qkv, *rope)  # q and k, in place
         q, key, v = qkv.split(inner, dim=-1)  # (r, t, h*e) each, strided views
         if kv is not None:  # prefix cache: keys/values of the cached prefix, then these
             key, v = kv(key, v)  # (r, t_keys, h*e) each, at absolute positions 0..t_keys-1
@@ -409,17 +427,18 @@ class DiTLayer(nn.Module):
         """x (r, t, d); mod (r, 1, 6d): this block's slice of `DiT.modulations` (gains, not
         scales: 1 + scale is added there)."""
         shift_a, gain_a, gate_a, shift_f, gain_f, gate_f = mod.chunk(6, dim=-1)  # (r, 1, d)
+        rotate = kernels.rotate(x)
         if kernels.fused_norms:
             compiled = kernels.compiled(x)
             first = _fused_norm_modulate if compiled else norm_modulate
             between = _fused_residual_norm_modulate if compiled else residual_norm_modulate
             normed = first(x, shift_a, gain_a, self.eps)
-            y = self.attn(normed, rope, attn_bias, None, kv)  # frame mask: in `between`
+            y = self.attn(normed, rope, attn_bias, None, kv, rotate)  # frame mask: in `between`
             x, normed = between(x, gate_a, y, frame_mask, shift_f, gain_f, self.eps)
             return torch.addcmul(x, gate_f, self.ff(normed))
         d = x.shape[-1]
         normed = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_a, gain_a)
-        x = torch.addcmul(x, gate_a, self.attn(normed, rope, attn_bias, frame_mask, kv))
+        x = torch.addcmul(x, gate_a, self.attn(normed, rope, attn_bias, frame_mask, kv, rotate))
         normed = modulate(F.layer_norm(x, (d,), eps=self.eps), shift_f, gain_f)
         return torch.addcmul(x, gate_f, self.ff(normed))
 
@@ -486,8 +505,8 @@ class DiT(SharesStorage):
 
     def warm_up_kernels(self) -> None:
         """Compile the enabled kernels now (on CUDA, or on the CPU with `compile_cpu`) for the
-        shapes they will meet, so that no batch waits for a compile: the fused norms once (their
-        ragged dims are symbolic). Each compile is logged."""
+        shapes they will meet, so that no batch waits for a compile: each fused function once per
+        argument layout (their ragged dims are symbolic). Each compile is logged."""
         kernels, cfg = self.kernels, self.cfg
         weight = self.input_embed.proj.weight
         dtype, device, d = weight.dtype, weight.device, cfg.dim
@@ -506,6 +525,14 @@ class DiT(SharesStorage):
                     shift_a, gain_a, gate_a, shift_f, gain_f, _ = mod.chunk(6, dim=-1)
                     _fused_norm_modulate(x, shift_a, gain_a, cfg.norm_eps)
                     _fused_residual_norm_modulate(x, gate_a, y, mask, shift_f, gain_f, cfg.norm_eps)
+            if kernels.fused_rotary:
+                # the two table shapes: positions 0..t-1 (t, e), and per-row positions (r, q, e)
+                # of a prefix-cache window
+                qkv = torch.zeros(2, 100, 3 * cfg.heads * cfg.dim_head, dtype=dtype, device=device)
+                _fused_rotate_qk_(qkv, *self.rotary_embed.tables(100))
+                _fused_rotate_qk_(
+                    qkv, *self.rotary_embed.tables_at(torch.zeros(2, 100, device=device))
+                )
 
     def attention_mask(
         self,
