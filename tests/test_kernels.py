@@ -20,9 +20,9 @@ from flow_service.config import FlowConfig, build_parser
 from flow_service.model import DiTKernels, FlowModel, FlowRequest, load_flow
 from flow_service.model.dit import (
     DiTLayer,
+    apply_rotary_,
     norm_modulate,
     residual_norm_modulate,
-    rotate_qk_,
 )
 from flow_service.service import service_kernels
 
@@ -141,28 +141,28 @@ def check_compiled_fused(dtype: torch.dtype, device: str) -> None:
 
 
 def check_compiled_rotary(dtype: torch.dtype, device: str) -> None:
-    """Compiled `rotate_qk_` against the eager one: both table layouts (positions 0..t-1, and
+    """Compiled `apply_rotary_` against the eager one, on q and k of a projection: both table layouts (positions 0..t-1, and
     per-row positions of a prefix-cache window), ragged shapes compiling once per layout."""
     from torch._dynamo.utils import counters
 
     from flow_service.model.dit import RotaryEmbedding, _Compiled
 
     torch._dynamo.reset()
-    fused = _Compiled(rotate_qk_)
+    fused = _Compiled(apply_rotary_)
     rope = RotaryEmbedding(64).to(device)
     g = torch.Generator().manual_seed(5)
     graphs = None
     for i, (rows, frames) in enumerate(((2, 100), (6, 37), (2, 250), (4, 77))):  # r = 2b
-        qkv = (torch.randn(rows, frames, 3 * 256, generator=g) * 2).to(device, dtype)
+        qkv = (torch.randn(rows, frames, 3, 256, generator=g) * 2).to(device, dtype)
         pos = torch.randint(0, 3000, (rows, frames), generator=g).to(device)
         for tables in (rope.tables(frames), rope.tables_at(pos)):
             want, got = qkv.clone(), qkv.clone()
             with torch.inference_mode():
-                rotate_qk_(want, *tables)
-                fused(got, *tables)
+                apply_rotary_(want[:, :, :2], *tables)
+                fused(got[:, :, :2], *tables)
             assert not torch.equal(want, qkv)  # it rotated
-            assert torch.equal(got[..., 512:], qkv[..., 512:])  # v untouched
-            assert torch.equal(got[..., 64:256], qkv[..., 64:256])  # heads 1.. of q untouched
+            assert torch.equal(got[:, :, 2], qkv[:, :, 2])  # v untouched
+            assert torch.equal(got[..., 64:], qkv[..., 64:])  # heads 1.. of q and k untouched
             # fp32: rounding (an FMA); bf16: at most one rounding step of the stored value
             tol = 1e-6 if dtype == torch.float32 else 2.0**-7
             assert rel_err(got, want) <= tol

@@ -188,12 +188,12 @@ class DiTKernels:
     fused_norms: gate + residual (+ the frame mask) + layer norm + AdaLN modulate as one
         compiled function between sublayers (torch.compile on CUDA; the same function eagerly
         elsewhere unless `compile_cpu`, which exists for tests).
-    fused_rotary: the rotary on q and k (`rotate_qk_`, five elementwise kernels eagerly, on a
-        64-channel slice: launch-bound) as one compiled kernel; compiled as `fused_norms` is.
+    fused_rotary: the rotary on q and k (`apply_rotary_`, five elementwise kernels eagerly, on
+        a 64-channel slice: launch-bound) compiled into one; compiled where `fused_norms` is.
     """
 
     def rotate(self, x: torch.Tensor):
-        return _fused_rotate_qk_ if self.fused_rotary and self.compiled(x) else rotate_qk_
+        return _fused_apply_rotary_ if self.fused_rotary and self.compiled(x) else apply_rotary_
 
     fused_norms: bool = False
     fused_rotary: bool = False
@@ -333,13 +333,10 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None
     rot.copy_(rot * cos + swapped * sin)
 
 
-def rotate_qk_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """`apply_rotary_` on q and k of one layer's fused projection qkv (r, t, 3 h e) in place."""
-    r, t, width = qkv.shape
-    apply_rotary_(qkv.view(r, t, 3, width // 3)[:, :, :2], cos, sin)
-
-
-_fused_rotate_qk_ = _Compiled(rotate_qk_)
+# Compiled on the (r, t, 2, h e) view of q and k, not on the whole projection: given the
+# projection, inductor copies all of it (3 h e channels) to write the 64 rotated ones back
+# (measured 14 % slower than eager at 64 rows).
+_fused_apply_rotary_ = _Compiled(apply_rotary_)
 
 
 class Attention(SharesStorage):
@@ -366,12 +363,12 @@ class Attention(SharesStorage):
         self.qkv_bias = share_storage_([m.bias for m in linears], self.qkv_bias)
 
     def forward(
-        self, hidden, rope, attn_bias, frame_mask, kv=None, rotate=rotate_qk_
+        self, hidden, rope, attn_bias, frame_mask, kv=None, rotate=apply_rotary_
     ) -> torch.Tensor:
         r, t, _ = hidden.shape
         inner = self.heads * self.dim_head
         qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)  # (r, t, 3 h e): [q | k | v]
-        rotate(qkv, *rope)  # q and k, in place
+        rotate(qkv.view(r, t, 3, inner)[:, :, :2], *rope)  # q and k, in place
         q, key, v = qkv.split(inner, dim=-1)  # (r, t, h*e) each, strided views
         if kv is not None:  # prefix cache: keys/values of the cached prefix, then these
             key, v = kv(key, v)  # (r, t_keys, h*e) each, at absolute positions 0..t_keys-1
@@ -526,13 +523,13 @@ class DiT(SharesStorage):
                     _fused_norm_modulate(x, shift_a, gain_a, cfg.norm_eps)
                     _fused_residual_norm_modulate(x, gate_a, y, mask, shift_f, gain_f, cfg.norm_eps)
             if kernels.fused_rotary:
-                # the two table shapes: positions 0..t-1 (t, e), and per-row positions (r, q, e)
+                # the two table layouts: positions 0..t-1 (t, e), and per-row positions (r, q, e)
                 # of a prefix-cache window
-                qkv = torch.zeros(2, 100, 3 * cfg.heads * cfg.dim_head, dtype=dtype, device=device)
-                _fused_rotate_qk_(qkv, *self.rotary_embed.tables(100))
-                _fused_rotate_qk_(
-                    qkv, *self.rotary_embed.tables_at(torch.zeros(2, 100, device=device))
-                )
+                inner = cfg.heads * cfg.dim_head
+                qkv = torch.zeros(2, 100, 3, inner, dtype=dtype, device=device)
+                pos = torch.zeros(2, 100, device=device)
+                for tables in (self.rotary_embed.tables(100), self.rotary_embed.tables_at(pos)):
+                    _fused_apply_rotary_(qkv[:, :, :2], *tables)
 
     def attention_mask(
         self,
