@@ -480,14 +480,14 @@ def run_flow(up, a, rows: list[dict], tmp: Path) -> None:
                 )
             )
     if a.served:
-        # As the flow service runs it (fused norms on by default on CUDA): fidelity must not
-        # move with the kernels, the cache or the graphs on.
+        # As the flow service runs it (fused norms and rotary on by default on CUDA): fidelity
+        # must not move with the kernels, the cache or the graphs on.
         for flow_dtype in ("float32", "bfloat16"):
             ours = load_flow(
                 tmp / "flow.pt",
                 device=d,
                 dtype=getattr(torch, flow_dtype),
-                kernels=DiTKernels(fused_norms=True),
+                kernels=DiTKernels(fused_norms=True, fused_rotary=True),
             )
             for mode, (_, graphs) in SERVED_MODES.items():
                 if graphs and not d.startswith("cuda"):

@@ -29,9 +29,10 @@ def load_model(config: FlowConfig) -> FlowModel:
 
 
 def service_kernels(config: FlowConfig) -> DiTKernels:
-    """Fused norms (measured faster on CUDA) only where they compile: on the CPU the fused
-    function would run eagerly, the same arithmetic as the plain path in more ops."""
-    return DiTKernels(fused_norms=torch.device(config.device).type == "cuda")
+    """The fused kernels (measured faster on CUDA) only where they compile: on the CPU the
+    fused functions would run eagerly, the same arithmetic as the plain path in more ops."""
+    cuda = torch.device(config.device).type == "cuda"
+    return DiTKernels(fused_norms=cuda, fused_rotary=cuda)
 
 
 def make_prefix_cache(config: PrefixCacheConfig, model) -> PrefixCache | None:

@@ -1,8 +1,8 @@
 """DiT kernel options: each computes the plain path's function.
 
-The fused norms: the eager structure is bit-identical to the plain layer (same ops, same
-order); compiled (inductor on the CPU here, `slow`; on CUDA, `gpu`) within 1e-6 relative in fp32
-and within bf16 rounding, through a whole solve within 1e-5.
+The fused norms and rotary: the eager structure is bit-identical to the plain layer (same ops,
+same order); compiled (inductor on the CPU here, `slow`; on CUDA, `gpu`) within 1e-6 relative in
+fp32 and within bf16 rounding, through a whole solve within 1e-5.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_fused_structure_is_bit_identical_to_the_plain_layer(model):
     args = layer_inputs(model, 1)
     with torch.inference_mode():
         plain = layer(*args)
-        fused = layer(*args, kernels=DiTKernels(fused_norms=True))  # CPU: uncompiled
+        fused = layer(*args, kernels=DiTKernels(**FUSED))  # CPU: uncompiled
     assert torch.equal(plain, fused)
     assert float(plain.abs().max()) > 0
 
@@ -217,14 +217,14 @@ def test_warm_up_compiles_what_serving_meets(model):
 
 
 # -- flags ------------------------------------------------------------------------------------
-def test_the_service_fuses_norms_on_cuda_only():
+def test_the_service_fuses_kernels_on_cuda_only():
     default = FlowConfig.from_args(build_parser().parse_args([]))
     # measured faster on CUDA; on the CPU the service runs the plain path
     assert service_kernels(default) == DiTKernels()
     on_cuda = FlowConfig.from_args(build_parser().parse_args(["--device", "cuda"]))
-    assert service_kernels(on_cuda) == DiTKernels(fused_norms=True)
+    assert service_kernels(on_cuda) == DiTKernels(**FUSED)
     m = load_flow(None, preset="small", kernels=service_kernels(on_cuda))
-    assert m.decoder.estimator.kernels == DiTKernels(fused_norms=True)
+    assert m.decoder.estimator.kernels == DiTKernels(**FUSED)
     assert load_flow(None, preset="small").decoder.estimator.kernels == DiTKernels()
 
 
