@@ -192,15 +192,16 @@ class DiTKernels:
         a 64-channel slice: launch-bound) compiled into one; compiled where `fused_norms` is.
     """
 
-    def rotate(self, x: torch.Tensor):
-        return _fused_apply_rotary_ if self.fused_rotary and self.compiled(x) else apply_rotary_
-
     fused_norms: bool = False
     fused_rotary: bool = False
     compile_cpu: bool = False
 
     def compiled(self, x: torch.Tensor) -> bool:
         return x.is_cuda or self.compile_cpu
+
+    def rotate(self, x: torch.Tensor):
+        """The rotary function for a layer whose input is x."""
+        return _fused_apply_rotary_ if self.fused_rotary and self.compiled(x) else apply_rotary_
 
 
 PLAIN_KERNELS = DiTKernels()
@@ -334,8 +335,8 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None
 
 
 # Compiled on the (r, t, 2, h e) view of q and k, not on the whole projection: given the
-# projection, inductor copies all of it (3 h e channels) to write the 64 rotated ones back
-# (measured 14 % slower than eager at 64 rows).
+# projection, inductor copies all of it (3 h e channels) to write the 64 rotated ones back,
+# slower than eager at 64 rows (docs/DESIGN.md, "Fused rotary").
 _fused_apply_rotary_ = _Compiled(apply_rotary_)
 
 

@@ -1,7 +1,7 @@
 #!/bin/bash
 # bash .baseline/run.sh ITEM...: runs the items in order while time is left (LIMIT s, 570 by default), each one tarred into $OUT as it ends
 # trees: mkdir -p .baseline/trees/X && git archive X flow_service gateway vocoder_service token2wav bench | tar -x -C .baseline/trees/X; carry .baseline and .whl (cp312 manylinux wheels of grpcio, grpcio-health-checking and grpcio-reflection 1.85.1, protobuf 7.35.1, soxr, av, websockets, pytest-asyncio)
-# items: R69-/R9-/L9-<tree> (the mixed workload at 6.9 / 9 / both streams/s, with the flow's --log-batches), L-<tree> (P0 with the flow's --log-batches), A-<tree> (closed loop of 64, command (A)), P-<tree> (mixed poisson, start buffer 0,200), P200-<tree> (same, 200 only), S-<tree>, Snc-<tree> (sweep 64, with / without prefix cache)
+# items: R69-/R9-/L9-<tree> (the mixed workload at 6.9 / 9 / both streams/s, with the flow's --log-batches), L-<tree> (P0 with the flow's --log-batches), A-<tree> (closed loop of 64, command (A)), AL-<tree> (the same with the flow's --log-batches), P-<tree> (mixed poisson, start buffer 0,200), P200-<tree> (same, 200 only), S-<tree>, Snc-<tree> (sweep 64, with / without prefix cache)
 set -u
 T0=$(date +%s); LIMIT=${LIMIT:-570}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -17,6 +17,7 @@ for item in "$@"; do
   kind=${item%%-*}; tree=${item#*-}
   case $kind in
     A) need=190; cmd="capacity $A";;
+    AL) need=190; cmd="capacity $A --flow-arg=--log-batches=true";;
     P) need=240; cmd="poisson $P --start-buffer-ms 0,200";;
     P200) need=150; cmd="poisson $P --start-buffer-ms 200";;
     P0) need=140; cmd="poisson $P --start-buffer-ms 0";;
