@@ -34,12 +34,19 @@ import torch
 from bench import parts
 from bench.flow_model import log, make_requests, timed_solve
 from flow_service.config import FlowConfig as FlowServiceConfig
-from flow_service.model import NUM_STEPS, DiTKernels, FlowModel, GraphedEstimator, load_flow
+from flow_service.model import (
+    FUSED_KERNELS,
+    NUM_STEPS,
+    DiTKernels,
+    FlowModel,
+    GraphedEstimator,
+    load_flow,
+)
 
 VARIANTS = {
     "baseline": DiTKernels(),
     "fused": DiTKernels(fused_norms=True),
-    "fused+rotary": DiTKernels(fused_norms=True, fused_rotary=True),
+    "fused+rotary": FUSED_KERNELS,
 }
 GRAPH_VARIANTS = {f"{name}+graphs": kernels for name, kernels in VARIANTS.items()}
 GRAPH_MAX_ROWS = FlowServiceConfig().graph_max_batch  # batches the service replays as graphs

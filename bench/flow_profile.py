@@ -11,8 +11,8 @@ excluded) that one solver step dispatches, op by op, counted by a torch dispatch
 over B requests of F frames (what an eager or graphed solve runs per step) and the prefix
 graphs' step (`PrefixStep`, one block of queries after a cached prefix of F frames rounded
 down to blocks). On `--device meta` it needs no memory and no compute; the count depends on the
-code, not on the hardware (meta and CPU count alike). Plain kernels: on CUDA the fused norms
-replace each layer's norm/modulate/residual ops by compiled kernels.
+code, not on the hardware (meta and CPU count alike). Plain kernels: on CUDA the fused kernels
+replace each layer's norm/modulate/residual ops and its rotary by compiled kernels.
 
 profile-batch: the torch profiler's operator table of one flow batch: B requests of the
 benchmark workload's longest call (3 s prompt + 10 s utterance, the final full-attention chunk:
@@ -51,6 +51,7 @@ from bench.workload import TOKEN_RATE
 from flow_service.engine import FlowEngine
 from flow_service.model import (
     FLOW_PRESETS,
+    FUSED_KERNELS,
     VOCAB_SIZE,
     DiTKernels,
     FlowModel,
@@ -271,10 +272,10 @@ def profile_prefix(argv: list[str] | None = None) -> int:
         help="which of the four ways to time, comma-separated (the graphed two on CUDA only)",
     )
     p.add_argument(
-        "--fused-norms",
+        "--fused-kernels",
         type=lambda v: v.lower() in ("1", "true", "yes", "on"),
         default=True,
-        help="the service's default kernels (compiled on CUDA only)",
+        help="the service's default kernels, FUSED_KERNELS (compiled on CUDA only)",
     )
     a = parts.parse(p, argv)
     dtype = parts.one_dtype(p, a)
@@ -284,7 +285,7 @@ def profile_prefix(argv: list[str] | None = None) -> int:
         p.error(f"--modes: unknown {', '.join(unknown)} (choose from {', '.join(ways)})")
     parts.cpu_threads(a.device)
     cuda = torch.device(a.device).type == "cuda"
-    kernels = DiTKernels(fused_norms=a.fused_norms and cuda)
+    kernels = FUSED_KERNELS if a.fused_kernels and cuda else DiTKernels()
     model = load_flow(
         a.model_dir,
         device=a.device,

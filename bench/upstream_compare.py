@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from flow_service.model import (
-    DiTKernels,
+    FUSED_KERNELS,
     FlowModel,
     FlowRequest,
     PrefixCache,
@@ -487,7 +487,7 @@ def run_flow(up, a, rows: list[dict], tmp: Path) -> None:
                 tmp / "flow.pt",
                 device=d,
                 dtype=getattr(torch, flow_dtype),
-                kernels=DiTKernels(fused_norms=True, fused_rotary=True),
+                kernels=FUSED_KERNELS,
             )
             for mode, (_, graphs) in SERVED_MODES.items():
                 if graphs and not d.startswith("cuda"):

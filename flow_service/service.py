@@ -8,7 +8,7 @@ from flow_service import metrics
 from flow_service.config import FlowConfig, PrefixCacheConfig
 from flow_service.costmodel import CostModel, num_solver_steps
 from flow_service.engine import FlowEngine
-from flow_service.model import DiTKernels, FlowModel, PrefixCache, load_flow
+from flow_service.model import FUSED_KERNELS, DiTKernels, FlowModel, PrefixCache, load_flow
 from flow_service.servicer import FlowServicer
 from flow_service.voices import VoiceCache
 from flow_service.warmup import warmup_requests
@@ -31,8 +31,7 @@ def load_model(config: FlowConfig) -> FlowModel:
 def service_kernels(config: FlowConfig) -> DiTKernels:
     """The fused kernels (measured faster on CUDA) only where they compile: on the CPU the
     fused functions would run eagerly, the same arithmetic as the plain path in more ops."""
-    cuda = torch.device(config.device).type == "cuda"
-    return DiTKernels(fused_norms=cuda, fused_rotary=cuda)
+    return FUSED_KERNELS if torch.device(config.device).type == "cuda" else DiTKernels()
 
 
 def make_prefix_cache(config: PrefixCacheConfig, model) -> PrefixCache | None:

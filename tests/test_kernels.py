@@ -141,8 +141,9 @@ def check_compiled_fused(dtype: torch.dtype, device: str) -> None:
 
 
 def check_compiled_rotary(dtype: torch.dtype, device: str) -> None:
-    """Compiled `apply_rotary_` against the eager one, on q and k of a projection: both table layouts (positions 0..t-1, and
-    per-row positions of a prefix-cache window), ragged shapes compiling once per layout."""
+    """Compiled `apply_rotary_` against the eager one, on q and k of a projection: both table
+    layouts (positions 0..t-1, and per-row positions of a prefix-cache window), ragged shapes
+    compiling once per layout."""
     from torch._dynamo.utils import counters
 
     from flow_service.model.dit import RotaryEmbedding, _Compiled

@@ -16,7 +16,7 @@ from flow_service.model.config import (
     DiTConfig,
     FlowConfig,
 )
-from flow_service.model.dit import DiT, DiTKernels, attention_bias
+from flow_service.model.dit import FUSED_KERNELS, DiT, DiTKernels, attention_bias
 from flow_service.model.flow import BatchIntegrityError, FlowBatch, FlowModel
 from flow_service.model.graphs import GraphedEstimator
 from flow_service.model.loading import (
@@ -53,6 +53,7 @@ __all__ = [
     "DiT",
     "DiTConfig",
     "DiTKernels",
+    "FUSED_KERNELS",
     "FlowBatch",
     "FlowConfig",
     "FlowModel",

@@ -205,6 +205,7 @@ class DiTKernels:
 
 
 PLAIN_KERNELS = DiTKernels()
+FUSED_KERNELS = DiTKernels(fused_norms=True, fused_rotary=True)  # what the service runs on CUDA
 
 
 class TimestepEmbedding(nn.Module):
