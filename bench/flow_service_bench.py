@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import platform
 import time
 
 import numpy as np
-import torch
 
 from bench import parts
 from bench.workload import TOKEN_RATE, make_bench_voice, make_tokens
@@ -227,15 +225,7 @@ def main(argv=None) -> dict:
     model = load_flow(
         a.model_dir, device=a.device, dtype=parts.DTYPES[a.dtype], preset=a.preset, seed=a.seed
     )
-    result = dict(
-        date=a.environment["date"],
-        command=a.environment["command"],
-        device=torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.machine(),
-        torch=torch.__version__,
-        config=parts.config(a),
-        rows=[],
-        on_off_ratio={},
-    )
+    result = parts.record(a, rows=[], on_off_ratio={})
 
     def save(row: dict) -> None:
         result["rows"].append(row)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -129,6 +130,19 @@ def config(a: argparse.Namespace) -> dict:
     """The part's flags, for its record."""
     skip = {"out", "environment", "smoke_overrides"}
     return {k: v for k, v in vars(a).items() if k not in skip}
+
+
+def record(a: argparse.Namespace, **fields) -> dict:
+    """A part's JSON record: when, the command, the device, torch and the flags, then `fields`."""
+    device = torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.machine()
+    return dict(
+        date=a.environment["date"],
+        command=a.environment["command"],
+        device=device,
+        torch=torch.__version__,
+        config=config(a),
+        **fields,
+    )
 
 
 def sync(device: str | torch.device) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import platform
 import time
 
 import torch
@@ -157,16 +156,7 @@ def main(argv=None) -> dict:
     parts.cpu_threads(a.device)
     dtype = parts.DTYPES[a.dtype]
     model = load_flow(a.model_dir, device=a.device, dtype=dtype, preset=a.preset, seed=a.seed)
-    result = dict(
-        date=a.environment["date"],
-        command=a.environment["command"],
-        device=torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.machine(),
-        torch=torch.__version__,
-        config=parts.config(a),
-        per_utterance=[],
-        generate_only=[],
-        skipped=[],
-    )
+    result = parts.record(a, per_utterance=[], generate_only=[], skipped=[])
     started = time.perf_counter()
 
     def write() -> None:
