@@ -92,6 +92,7 @@ class Stack:
         self.gateway_groups: dict[str, list[str]] = {}
         self.add_gateways("gateway", config.gateways)
         self.procs: dict[str, subprocess.Popen] = {}  # process name -> process
+        self.restarted: list[str] = []  # model services started again after dying in warm-up
         self._logs: list = []
 
     def add_gateways(self, group: str, n: int) -> list[str]:
@@ -183,9 +184,20 @@ class Stack:
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
         for module, port in self.ports.items():
-            proc = self.procs[module]
             while not check(f"127.0.0.1:{port}", timeout=1.0):
+                proc = self.procs[module]
                 if proc.poll() is not None:
+                    if self._may_restart(module):
+                        print(
+                            f"{self.name}: {module} exited with {proc.returncode} while warming "
+                            f"up; starting it once more (log {self.log_path(module)}: "
+                            f"{self._tail(module, 1)})",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                        self.restarted.append(module)
+                        self.spawn(module, restart=True)
+                        continue
                     raise StackError(
                         f"{self.name}: {module} exited with {proc.returncode}; log "
                         f"{self.log_path(module)}:\n{self._tail(module)}"
@@ -196,6 +208,16 @@ class Stack:
                         f"{self.config.startup_timeout_s:.0f} s; log tail:\n{self._tail(module)}"
                     )
                 time.sleep(0.25)
+
+    def _may_restart(self, module: str) -> bool:
+        """A model service that died after it was listening, for the first time. On an H100
+        the vocoder's warm-up has twice died in a HiFT graph capture (cuFFT, then a sticky
+        CUDA error; docs/bench/2026-12-07-h100-main-against-a166548.md) and taken a whole
+        benchmark run with it. One more start costs a warm-up; a service that dies on its
+        flags or weights, before listening, fails at once."""
+        if _module(module) == "gateway" or module in self.restarted:
+            return False
+        return "listening on" in self._tail(module, 200)
 
     def check_alive(self) -> None:
         """Between runs: a service that died mid-sweep fails the sweep loudly."""

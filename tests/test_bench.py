@@ -471,6 +471,63 @@ def test_stack_starts_gateway_groups_with_their_own_flags(tmp_path):
     }
 
 
+def test_a_model_service_dying_in_warm_up_starts_once_more(tmp_path, monkeypatch, capsys):
+    """wait_ready: a model service that died after it was listening (a warm-up on the GPU
+    gone wrong) is spawned once more and the stack comes up; a second death fails it, and so
+    does a death before listening (bad flags or weights) or a gateway's, at once."""
+    import bench.stack
+    from bench.stack import Stack, StackConfig, StackError
+
+    class Proc:
+        def __init__(self, alive: bool):
+            self.returncode = None if alive else 1
+
+        def poll(self):
+            return self.returncode
+
+    def stack_where(dead: str, log: str, deaths: int) -> tuple[Stack, list[str]]:
+        stack = Stack(StackConfig(), tmp_path)
+        stack.procs = {name: Proc(name != dead) for name in stack.ports}
+        stack.log_path(dead).write_text(log)
+        spawned: list[str] = []
+
+        def spawn(module, restart=False):
+            assert restart
+            spawned.append(module)
+            stack.procs[module] = Proc(alive=len(spawned) >= deaths)
+            return stack.procs[module]
+
+        monkeypatch.setattr(stack, "spawn", spawn)
+        return stack, spawned
+
+    def serving(stack):  # a process is SERVING while it is alive
+        port_of = {f"127.0.0.1:{p}": n for n, p in stack.ports.items()}
+        return lambda addr, timeout: stack.procs[port_of[addr]].poll() is None
+
+    warm_up_death = "listening on 127.0.0.1:1\nvocoder_service: error: AcceleratorError: x\n"
+    stack, spawned = stack_where("vocoder_service", warm_up_death, deaths=1)
+    monkeypatch.setattr(bench.stack, "check", serving(stack))
+    stack.wait_ready()
+    assert spawned == stack.restarted == ["vocoder_service"]
+    assert "vocoder_service exited with 1 while warming up" in capsys.readouterr().err
+
+    stack, spawned = stack_where("flow_service", warm_up_death, deaths=2)
+    monkeypatch.setattr(bench.stack, "check", serving(stack))
+    with pytest.raises(StackError, match="flow_service exited with 1"):
+        stack.wait_ready()
+    assert spawned == ["flow_service"]  # once, not again
+
+    for dead, log in (
+        ("vocoder_service", "vocoder_service: error: --model-dir x: no hift.pt\n"),
+        ("gateway", warm_up_death),
+    ):
+        stack, spawned = stack_where(dead, log, deaths=1)
+        monkeypatch.setattr(bench.stack, "check", serving(stack))
+        with pytest.raises(StackError, match=f"{dead} exited with 1"):
+            stack.wait_ready()
+        assert spawned == []
+
+
 @pytest.mark.slow
 async def test_load_spreads_over_gateways_and_merges_client_processes():
     """Two gateways in front of one flow and one vocoder (in process). The same closed-loop
