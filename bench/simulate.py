@@ -23,7 +23,9 @@ them). What is modelled:
                     runner's rule: a cached row's work counts half its prefix; a graphed one
                     pays per row x padded prefix frame for the key/value moves, fitted to
                     docs/bench/prefix-graphs-2026-12-04/profile_prefix_blocks.txt); final calls
-                    recompute everything; streams of one voice share its prompt blocks
+                    recompute everything (full attention) or, with the gateway's
+                    --final-attention=chunked (`schedule`), read as the others do; streams of
+                    one voice share its prompt blocks
   graph captures    a graphed batch whose shape (`plain_graph_shapes`, `prefix_graph_key`) the
                     warm-up did not capture pays `graph_capture_s` once, as the runner's
                     GraphedEstimator does, with its least-recently-used limits
@@ -214,6 +216,9 @@ class SimConfig:
     # as their tokens + 3 come in (max_inflight of them out at once), and the chunk goes to
     # the vocoder once all of its blocks are back; the final call waits for every block
     block_calls: bool = PipelineLimits.block_calls
+    # the streams' chunk schedule (the gateway's --schedule and --final-attention): with
+    # chunked_final the last call reads the prefix cache as a streaming call does
+    schedule: ScheduleConfig = PipelineLimits.schedule
     order_streams: bool = True  # the prefix cache's per-stream order on the replica
     preempt: bool = True
     # the vocoder's BatcherConfig: sessions per batch, wait to fill, urgent batches
@@ -503,17 +508,18 @@ class Simulation:
             times = [opened] * n
         else:  # a burst goes out when its last token is due
             times = [opened + (min(n, i // burst * burst + burst) - 1) / pace for i in range(n)]
-        rec = StreamRecord(sid, n, chunk_needs(shape.prompt_tokens, n), opened=opened)
+        needs = chunk_needs(shape.prompt_tokens, n, self.c.schedule)
+        rec = StreamRecord(sid, n, needs, opened=opened)
         rec.token_sent = list(times)
         rec.end_sent = times[-1]
         clock = (
             PlaybackClock(self.c.deadlines, lambda: self.clock.now) if self.c.deadlines else None
         )
-        planner = ChunkPlanner(shape.prompt_tokens, ScheduleConfig())
+        planner = ChunkPlanner(shape.prompt_tokens, self.c.schedule)
         gw = len(self.streams) % len(self.gw_free_at)
         s = _Stream(sid, opened, times, planner, clock, rec, shape.prompt_tokens, voice, gw)
         if self.c.block_calls:
-            s.blocks = BlockPlanner(shape.prompt_tokens, ScheduleConfig())
+            s.blocks = BlockPlanner(shape.prompt_tokens, self.c.schedule)
         self.streams.append(s)
         self.clock.at(opened, self._open, s)
         for i, t in enumerate(times):
@@ -664,12 +670,12 @@ class Simulation:
         for call in plan.calls:
             s, chunk, _ = call.payload
             prefix = 0
-            if not call.final:
+            if chunk.streaming:  # a final call with full attention reads nothing
                 limit = self._readable(s, chunk, call.num_seq_frames)
                 cached = max(s.cached_frames, self.voice_frames.get(s.voice, 0))
                 prefix = min(cached, limit)
                 end = call.num_seq_frames // BLOCK_FRAMES * BLOCK_FRAMES
-                if end > prefix:
+                if end > prefix and not call.final:  # a final call stores nothing
                     stored += end - prefix
                     stores.append((s, end))
             prefixes.append(prefix)
@@ -693,10 +699,10 @@ class Simulation:
 
     @staticmethod
     def _readable(s: _Stream, chunk, num_seq_frames: int) -> int:
-        """prefix_cache.readable_prefix of a call: the service's final calls have full
-        attention, its other calls stream."""
+        """prefix_cache.readable_prefix of a call: a final call with full attention reads
+        nothing, streaming calls (a chunked final too) read up to their first frame."""
         out_start = TOKEN_MEL_RATIO * (s.prompt_tokens + chunk.token_offset)
-        return readable_prefix(out_start, num_seq_frames, not chunk.finalize, BLOCK_FRAMES)
+        return readable_prefix(out_start, num_seq_frames, chunk.streaming, BLOCK_FRAMES)
 
     def _replay(self, kind: str, key: tuple) -> float:
         """A graphed batch replays the graph of `key`: the seconds of capturing it first, if
@@ -1023,6 +1029,19 @@ def main(argv=None) -> None:
         action="store_true",
         help="the gateway's --block-calls: each 25-token block a flow call of its own",
     )
+    ap.add_argument(
+        "--schedule",
+        choices=("upstream", "blocks"),
+        default="upstream",
+        help="the gateway's --schedule: the streams' chunks (%(default)s)",
+    )
+    ap.add_argument(
+        "--final-attention",
+        choices=("full", "chunked"),
+        default="full",
+        help="the gateway's --final-attention: the last call full attention (exact, "
+        "recomputes the utterance) or block-causal over the cached blocks (%(default)s)",
+    )
     base = SimConfig()
     knobs = ap.add_argument_group("the services' flags (defaults: what the bench runs)")
     for flag, default, kind, what in [
@@ -1067,6 +1086,10 @@ def main(argv=None) -> None:
         gateways=a.gateways,
         graph_max_frames=a.graph_max_frames,
         block_calls=a.block_calls,
+        schedule=replace(
+            ScheduleConfig.blocks() if a.schedule == "blocks" else ScheduleConfig(),
+            chunked_final=a.final_attention == "chunked",
+        ),
         graph_capture_s=a.graph_capture_ms / 1e3,
         warmup_max_prefix=a.warmup_max_prefix,
     )

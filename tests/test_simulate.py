@@ -468,3 +468,28 @@ def test_mixed_streams_have_their_own_prompts_and_share_their_voices_prompt_bloc
     assert seq == seq_shared  # the same sequences: 200-token prompts, 100 tokens each
     # the second stream of voice 0 reads the voice's 7 prompt blocks in its first chunk
     assert own - shared == 350
+
+
+def test_a_chunked_final_reads_the_cached_blocks_and_delivers_the_same_chunks():
+    """SimConfig.schedule with chunked_final (the gateway's --final-attention=chunked): the
+    last call reads the stream's cached blocks as a streaming call does, so it computes only
+    its own frames; with full attention it recomputes the utterance. Chunks and audio are the
+    same."""
+    from gateway.schedule import ScheduleConfig
+
+    def one(chunked: bool):
+        schedule = replace(ScheduleConfig(), chunked_final=chunked)
+        sim = Simulation(replace(SimConfig(), schedule=schedule))
+        sim.add_stream("s", 0.0, 0.0)
+        (rec,) = sim.run()
+        return sim, rec
+
+    (full_sim, full), (chunked_sim, chunked) = one(False), one(True)
+    assert full.final_seen and chunked.final_seen
+    assert chunked.seqs == full.seqs == [0, 1, 2, 3]
+    assert chunked.num_samples == full.num_samples
+    assert chunked_sim.seq_frames == full_sim.seq_frames
+    # 75-token prompt, 250 tokens: the final call's sequence is 650 frames; its first
+    # returned frame is 500 (after chunks ending at tokens 25, 75, 175), block-aligned, so the
+    # chunked final reads 500 frames from the cache and computes 150
+    assert full_sim.computed_frames - chunked_sim.computed_frames == 500
