@@ -67,7 +67,7 @@ import itertools
 import json
 import math
 import re
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -740,6 +740,7 @@ class Simulation:
                 "s": round(now - started, 4),
                 "late": sum(c.due < now for c in plan.calls),
                 "graphed": graphed,
+                "left_out": plan.left_out,
             }
         )
         for call in plan.calls:
@@ -963,6 +964,8 @@ def _figures(sim: Simulation, recs: list[StreamRecord], window: float) -> dict:
         "batches": len(sim.batches),
         "preemptions": sim.flow.core.num_preemptions,
         "mean_rows": round(float(np.mean([b["rows"] for b in sim.batches])), 2),
+        # waiting calls the batches were formed without, by the limit that kept them out
+        "left_out": dict(sum((Counter(b["left_out"]) for b in sim.batches), Counter())),
         "graph_captures": dict(sim.captures),
     }
 

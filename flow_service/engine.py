@@ -322,6 +322,8 @@ class FlowEngine:
         metrics.BATCH_SIZE.observe(n)
         metrics.BATCH_PADDED_FRAMES.observe(plan.num_padded_frames)
         metrics.PADDING_EFFICIENCY.observe(plan.padding_efficiency)
+        for reason, count in plan.left_out.items():
+            metrics.LEFT_OUT.labels(reason).inc(count)
         if exc is not None:
             error = exc if isinstance(exc, ServiceError) else RuntimeError(f"batch failed: {exc}")
             if is_device_lost(exc):
@@ -342,7 +344,7 @@ class FlowEngine:
             lengths = sorted(c.num_seq_frames for c in plan.calls)
             logger.info(
                 "batch %d%s: %d reqs, T %d..%d, padded %d, efficiency %.2f, first-chunks %d, "
-                "%s, %.1f ms (own %.1f), waited %.1f ms",
+                "%s, %.1f ms (own %.1f), waited %.1f ms%s",
                 self.core.num_batches,
                 " (urgent, between steps)" if plan.urgent else "",
                 n,
@@ -355,6 +357,7 @@ class FlowEngine:
                 compute_s * 1e3,
                 own_s * 1e3,
                 (started - min(c.arrival for c in plan.calls)) * 1e3,
+                "".join(f", left out for {k} {n}" for k, n in plan.left_out.items()),
             )
         for slot, call in enumerate(plan.calls):
             call.status = CallStatus.DONE

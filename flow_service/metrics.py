@@ -26,6 +26,13 @@ PREEMPTIONS = Counter(
     "t2w_flow_preemptions_total",
     "Batches of first chunks run between the solver steps of a running batch",
 )
+LEFT_OUT = Counter(
+    "t2w_flow_left_out_calls_total",
+    "Waiting calls left out of a batch formed from their pool, by the limit that kept each out "
+    "(flow_service/scheduler.py LEFT_OUT: rows, frames, padding, deadline, first_chunks); one "
+    "call counts once per batch it missed",
+    ["reason"],
+)
 VOICE_CACHE = Gauge("t2w_flow_voice_cache_entries", "Voices held in the LRU cache")
 CAPACITY = Gauge(
     "t2w_flow_capacity_frames_per_second",

@@ -130,6 +130,9 @@ class Plan:
     padded_len: int  # longest T in the batch
     urgent: bool = False  # first chunks run between the steps of a running batch
     path: str = ""  # how the runner ran it (FlowRunner.last_path), for --log-batches
+    # Waiting calls this batch was formed without, by what kept each out (`LEFT_OUT`): what
+    # limits batch size when calls wait but batches stay small.
+    left_out: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_padded_frames(self) -> int:
@@ -142,6 +145,14 @@ class Plan:
     @property
     def padding_efficiency(self) -> float:
         return self.num_real_frames / max(1, self.num_padded_frames)
+
+
+# Why a waiting call stayed out of the batch formed from its pool (Plan.left_out): `rows` the
+# batch's row limit (max_batch_size, or late_batch_rows for late work), `frames`
+# max_batch_frames, `padding` min_padding_efficiency (of the sequences or of the frames
+# computed), `deadline` the on-time limit (it would make an on-time row late), `first_chunks`
+# a first-chunks-only batch.
+LEFT_OUT = ("rows", "frames", "padding", "deadline", "first_chunks")
 
 
 class Scheduler:
@@ -322,7 +333,9 @@ class Scheduler:
         if not order:
             return None
         lead = order[0]
+        left_out = dict.fromkeys(LEFT_OUT, 0)
         if lead.is_first_chunk and lead.due == math.inf and self.policy.first_chunks_apart:
+            left_out["first_chunks"] = sum(not c.is_first_chunk for c in order)
             order = [c for c in order if c.is_first_chunk]
         chosen = [lead]
         padded = real = lead.num_seq_frames
@@ -349,8 +362,9 @@ class Scheduler:
                 max_rows, free_rows = rows_e, rows_e
             else:
                 limit = lead.due
-        for call in order[1:]:
+        for i, call in enumerate(order[1:]):
             if len(chosen) >= max_rows:
+                left_out["rows"] += len(order) - 1 - i
                 break
             new_padded = max(padded, call.num_seq_frames)
             new_padded_q = max(padded_q, call.num_query_frames)
@@ -359,18 +373,20 @@ class Scheduler:
             # row's computed frames to its longest row's (the cache's query run), so a final
             # call (all of its frames) and a later chunk of the same length reading most of
             # its frames from the cache make a batch that computes the final's frames twice.
-            fits = (
-                rows * new_padded <= p.max_batch_frames
-                and (real + call.num_seq_frames) / (rows * new_padded) >= p.min_padding_efficiency
-                and (real_q + call.num_query_frames) / (rows * new_padded_q)
-                >= p.min_padding_efficiency
-            )
+            seq_eff = (real + call.num_seq_frames) / (rows * new_padded)
+            query_eff = (real_q + call.num_query_frames) / (rows * new_padded_q)
+            reason = None
+            if rows * new_padded > p.max_batch_frames:
+                reason = "frames"
+            elif min(seq_eff, query_eff) < p.min_padding_efficiency:
+                reason = "padding"
+            fits = reason is None
             if est is not None and rows <= free_rows:
                 pass
             elif est is not None:
                 end = now + est(rows, new_padded)
                 if fits and end > limit:
-                    fits = False
+                    fits, reason = False, "deadline"
                 if fits and end <= call.due:
                     limit = min(limit, call.due)
                 if not fits and call.due < math.inf:
@@ -378,6 +394,7 @@ class Scheduler:
                     if start >= now + est(len(chosen), padded):
                         limit = min(limit, start)
             if not fits:
+                left_out[reason] += 1
                 continue
             chosen.append(call)
             padded, real = new_padded, real + call.num_seq_frames
@@ -386,7 +403,7 @@ class Scheduler:
         self.waiting = [c for c in self.waiting if id(c) not in taken]
         for call in chosen:
             call.status = CallStatus.RUNNING
-        return Plan(chosen, padded)
+        return Plan(chosen, padded, left_out={k: n for k, n in left_out.items() if n})
 
     def _crowded(self, order: list[PendingCall], now: float) -> bool:
         """Whether the queue, run in this order at the throughput of efficient batches, would

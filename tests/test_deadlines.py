@@ -117,7 +117,9 @@ def test_join_that_would_make_a_row_late_is_refused():
     loose = [call(400, due=10.0, arrival=i) for i in range(3)]
     for c in (tight, *loose):
         s.add(c)
-    assert s.schedule(now=0.0).calls == [tight]
+    plan = s.schedule(now=0.0)
+    assert plan.calls == [tight]
+    assert plan.left_out == {"deadline": 3}  # each refused by the on-time limit (Plan.left_out)
     assert s.schedule(now=0.04).calls == loose  # the rest batch together afterwards
 
 
@@ -557,6 +559,40 @@ async def test_engine_preempts_for_work_whose_slack_is_below_a_step(flow_model):
     finally:
         model.gate.set()
         await engine.stop()
+
+
+async def test_engine_counts_and_logs_the_calls_a_batch_left_out(flow_model, caplog):
+    """Plan.left_out reaches the service: t2w_flow_left_out_calls_total by reason, and the
+    --log-batches line. Two calls wait for a free runner with room for one row: the first
+    batch leaves the second out for its row limit."""
+    from prometheus_client import REGISTRY
+
+    from flow_service.engine import FlowEngine
+    from flow_service.warmup import warmup_batch
+
+    def left_out(reason):
+        return REGISTRY.get_sample_value("t2w_flow_left_out_calls_total", {"reason": reason}) or 0
+
+    model = HoldFirstStep(flow_model)
+    policy = BatchPolicy(max_batch_size=1, max_wait_ms=0.0)
+    engine = FlowEngine(model, policy, cuda_graphs=False, log_batches=True)
+    engine.start()
+    before = left_out("rows")
+    try:
+        a, b, c = warmup_batch(3, 200)
+        first = asyncio.ensure_future(engine.submit(a))
+        await asyncio.to_thread(model.held.wait, 60)  # the runner is busy with `a`
+        rest = [asyncio.ensure_future(engine.submit(r)) for r in (b, c)]
+        await asyncio.sleep(0)
+        assert len(engine.scheduler) == 2
+        with caplog.at_level("INFO", logger="flow_service.engine"):
+            model.gate.set()
+            await asyncio.gather(first, *rest)
+    finally:
+        model.gate.set()
+        await engine.stop()
+    assert left_out("rows") == before + 1  # b's batch left c out; c's left nothing
+    assert sum("left out for rows 1" in r.getMessage() for r in caplog.records) == 1
 
 
 async def test_start_buffer_holds_the_first_audio_of_an_open_stream_only(models):

@@ -39,11 +39,25 @@ def test_frame_cap_and_padding_efficiency_keep_calls_out():
     # 200 + 600 pads to 2 x 600: efficiency 0.67 < 0.7, so the long call waits; 240 joins.
     assert plan.calls == [short, mid]
     assert plan.padding_efficiency == pytest.approx(440 / 480)
+    # what kept each waiting call out (Plan.left_out): 2 x 600 is past the frame cap too,
+    # which is named first
+    assert plan.left_out == {"frames": 1}
     assert s.schedule().calls == [long_]
     s2 = Scheduler(BatchPolicy(max_batch_size=8, max_batch_frames=1000, min_padding_efficiency=0))
     for c in (call(400), call(400), call(400)):
         s2.add(c)
-    assert len(s2.schedule().calls) == 2  # a third row would make 1200 padded frames
+    plan = s2.schedule()
+    assert len(plan.calls) == 2  # a third row would make 1200 padded frames
+    assert plan.left_out == {"frames": 1}
+    s4 = Scheduler(BatchPolicy(max_batch_size=8, min_padding_efficiency=0.7))
+    for c in (call(200), call(600)):
+        s4.add(c)
+    assert s4.schedule().left_out == {"padding": 1}
+    s3 = Scheduler(BatchPolicy(max_batch_size=2, min_padding_efficiency=0))
+    for c in (call(400), call(400), call(400), call(400)):
+        s3.add(c)
+    assert s3.schedule().left_out == {"rows": 2}
+    assert s3.schedule().left_out == {}
 
 
 def test_padding_counts_the_frames_computed_past_the_prefix_cache():
@@ -77,7 +91,9 @@ def test_first_chunks_apart_keeps_later_chunks_out_of_a_first_chunk_batch():
     firsts = [call(200, first=True, arrival=5 + i) for i in range(2)]
     for c in [*later, *firsts]:
         s.add(c)
-    assert s.schedule().calls == firsts
+    plan = s.schedule()
+    assert plan.calls == firsts
+    assert plan.left_out == {"first_chunks": 3}
     assert s.schedule().calls == later  # later chunks still batch together
 
 
