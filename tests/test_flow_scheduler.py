@@ -49,15 +49,15 @@ def test_frame_cap_and_padding_efficiency_keep_calls_out():
     plan = s2.schedule()
     assert len(plan.calls) == 2  # a third row would make 1200 padded frames
     assert plan.left_out == {"frames": 1}
-    s4 = Scheduler(BatchPolicy(max_batch_size=8, min_padding_efficiency=0.7))
+    s3 = Scheduler(BatchPolicy(max_batch_size=8, min_padding_efficiency=0.7))
     for c in (call(200), call(600)):
-        s4.add(c)
-    assert s4.schedule().left_out == {"padding": 1}
-    s3 = Scheduler(BatchPolicy(max_batch_size=2, min_padding_efficiency=0))
-    for c in (call(400), call(400), call(400), call(400)):
         s3.add(c)
-    assert s3.schedule().left_out == {"rows": 2}
-    assert s3.schedule().left_out == {}
+    assert s3.schedule().left_out == {"padding": 1}
+    s4 = Scheduler(BatchPolicy(max_batch_size=2, min_padding_efficiency=0))
+    for c in (call(400), call(400), call(400), call(400)):
+        s4.add(c)
+    assert s4.schedule().left_out == {"rows": 2}
+    assert s4.schedule().left_out == {}
 
 
 def test_padding_counts_the_frames_computed_past_the_prefix_cache():
