@@ -295,7 +295,7 @@ def profile_prefix(argv: list[str] | None = None) -> int:
         kernels=kernels,
     )
     sizes = [int(x) for x in a.batch.split(",")]
-    schedule = ScheduleConfig.blocks() if a.schedule == "blocks" else ScheduleConfig()
+    schedule = ScheduleConfig.named(a.schedule)
     streams_of = {b: [calls_of(i, 99, schedule) for i in range(b)] for b in sizes}
     frames = [c.num_seq_frames for c in streams_of[sizes[0]][0]]
     print(

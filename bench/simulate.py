@@ -1089,10 +1089,7 @@ def main(argv=None) -> None:
         gateways=a.gateways,
         graph_max_frames=a.graph_max_frames,
         block_calls=a.block_calls,
-        schedule=replace(
-            ScheduleConfig.blocks() if a.schedule == "blocks" else ScheduleConfig(),
-            chunked_final=a.final_attention == "chunked",
-        ),
+        schedule=ScheduleConfig.named(a.schedule, a.final_attention),
         graph_capture_s=a.graph_capture_ms / 1e3,
         warmup_max_prefix=a.warmup_max_prefix,
     )

@@ -312,10 +312,7 @@ class GatewayConfig:
                 max_vocoder_failovers=args.vocoder_failovers,
                 start_buffer_s=args.start_buffer_ms / 1e3,
                 block_calls=args.block_calls,
-                schedule=dataclasses.replace(
-                    ScheduleConfig.blocks() if args.schedule == "blocks" else ScheduleConfig(),
-                    chunked_final=args.final_attention == "chunked",
-                ),
+                schedule=ScheduleConfig.named(args.schedule, args.final_attention),
             ),
             inbound=InboundLimits(
                 first_message_timeout=args.first_tokens_timeout,

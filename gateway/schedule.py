@@ -45,6 +45,13 @@ class ScheduleConfig:
         return cls(first_hop_tokens=BLOCK_TOKENS, max_hop_tokens=BLOCK_TOKENS, hop_scale=1)
 
     @classmethod
+    def named(cls, kind: str, final_attention: str = "full") -> ScheduleConfig:
+        """The schedule the gateway's --schedule (`upstream`, `blocks`) and --final-attention
+        (`full`, `chunked`) name."""
+        base = cls.blocks() if kind == "blocks" else cls()
+        return replace(base, chunked_final=final_attention == "chunked")
+
+    @classmethod
     def from_proto(cls, msg, default: ScheduleConfig | None = None) -> ScheduleConfig:
         """StreamConfig.schedule: `kind` picks `upstream` or `blocks` (unset: `default`, the
         gateway's --schedule); the hop fields override it, 0 meaning unchanged.

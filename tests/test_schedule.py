@@ -119,6 +119,11 @@ def test_schedule_kinds_and_the_gateway_default():
     assert chunked.chunked_final and not ScheduleConfig().chunked_final
     final = drain(ChunkPlanner(75, chunked), 40, True)[-1]
     assert final.finalize and final.streaming  # upstream's finalize=True, streaming=True
+    # the gateway's --schedule and --final-attention, as the gateway and the simulator read them
+    assert ScheduleConfig.named("upstream") == ScheduleConfig()
+    assert ScheduleConfig.named("blocks", "full") == blocks
+    assert ScheduleConfig.named("upstream", "chunked") == chunked
+    assert ScheduleConfig.named("blocks", "chunked").chunked_final
 
 
 def block_calls(num_prompt: int, cfg: ScheduleConfig, arrivals: list[int]):
