@@ -28,8 +28,9 @@ from vocoder_service.model import (
     hift_noise_buffers,
     load_hift,
     receptive_field_frames,
+    spectral,
 )
-from vocoder_service.model.spectral import hann_window, istft_head, source_stft
+from vocoder_service.model.spectral import dft_bases, hann_window, istft_head, source_stft
 
 # Invariant 3 allows 1e-3 absolute in fp32; the implementation measures ~2e-7, so a tighter
 # bound catches phase-carry or window mistakes that would still hide under 1e-3.
@@ -495,6 +496,59 @@ def test_ragged_stft_and_istft_match_torch_per_row():
         assert (
             wav[i, : ref_wav.shape[0]] - ref_wav
         ).abs().max().item() <= 1e-4 * ref_wav.abs().max()
+
+
+def fft_rfft(frames, forward):
+    """The transform as torch.fft computed it before `dft_bases`: the window is forward's DC
+    column (cos 0 = 1)."""
+    spec = torch.fft.rfft(frames * forward[:, 0], dim=-1)
+    return torch.cat([spec.real, spec.imag], dim=-1)
+
+
+def fft_irfft(spec, inverse):
+    """Likewise for the inverse: the window is 16 x inverse's DC column (weight 1/16)."""
+    j = spec.shape[1] // 2
+    n_fft = inverse.shape[0]
+    seg = torch.fft.irfft(torch.complex(spec[:, :j], spec[:, j:]), n=n_fft, dim=1)
+    return seg * (n_fft * inverse[:, 0])[None, :, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dft_bases_compute_the_windowed_fft(dtype):
+    g = torch.Generator().manual_seed(71)
+    forward, inverse = (m.to(dtype) for m in dft_bases(hann_window(16)))
+    frames = torch.randn(3, 500, 16, generator=g, dtype=dtype)
+    spec = torch.randn(3, 18, 500, generator=g, dtype=dtype)  # DC/Nyquist imag: irfft drops it
+    tol = 1e-6 if dtype == torch.float32 else 1e-13
+    for ours, ref in (
+        (spectral.windowed_rfft(frames, forward), fft_rfft(frames, forward)),
+        (spectral.windowed_irfft(spec, inverse), fft_irfft(spec, inverse)),
+    ):
+        assert ours.dtype == dtype
+        assert (ours - ref).abs().max().item() <= tol * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("fixture", ["small", "small64"])
+def test_vocoder_audio_with_dft_bases_equals_the_fft_path(fixture, request, monkeypatch):
+    """Before/after of the matrix DFT, the whole vocoder: the same audio as through torch.fft,
+    to float32 rounding (float64: to its own), and no torch.fft call left in a decode."""
+    model = request.getfixturevalue(fixture)
+    mel = make_mel(60, seed=3).to(model.dtype)
+    with torch.inference_mode():
+        with monkeypatch.context() as m:
+            m.setattr(spectral, "windowed_rfft", fft_rfft)
+            m.setattr(spectral, "windowed_irfft", fft_irfft)
+            before = model.decode(mel, finalize=True)
+
+        def no_fft(*args, **kwargs):
+            raise AssertionError("torch.fft called")
+
+        for name in ("rfft", "irfft", "fft", "ifft"):
+            monkeypatch.setattr(torch.fft, name, no_fft)
+        after = model.decode(mel, finalize=True)
+    tol = 1e-5 if model.dtype == torch.float32 else 1e-12
+    assert before.shape == after.shape and before.abs().max().item() > 0
+    assert (after - before).abs().max().item() <= tol * before.abs().max().item()
 
 
 # -- weights ----------------------------------------------------------------------------------

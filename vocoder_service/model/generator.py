@@ -54,7 +54,7 @@ from vocoder_service.model.session import (
     decode_window,
     model_fingerprint,
 )
-from vocoder_service.model.spectral import hann_window, istft_head, source_stft
+from vocoder_service.model.spectral import dft_bases, hann_window, istft_head, source_stft
 
 CONV_POST_KERNEL = 7
 
@@ -100,6 +100,9 @@ class HiFTGenerator(nn.Module):
         )
         self.f0_predictor = CausalF0Predictor(cfg).double()  # f0 precision sets seam phase
         self.register_buffer("stft_window", hann_window(cfg.istft_n_fft), persistent=False)
+        forward, inverse = dft_bases(self.stft_window)
+        self.register_buffer("stft_forward", forward, persistent=False)
+        self.register_buffer("stft_inverse", inverse, persistent=False)
         self.buckets = ShapeBuckets()  # batch padding; none unless CUDA graphs are on
         self.graphed_core: GraphedCore | None = None
 
@@ -394,9 +397,10 @@ class HiFTGenerator(nn.Module):
         noise = noise_buf[idx.clamp_max(noise_buf.shape[0] - 1)]  # (b, l, m)
         s = self.m_source.excitation(f0.to(self.source_dtype), phase, noise)
         num_stft = cfg.stft_frames_per_frame * t + 1
-        stft = source_stft(s, src_samples, num_stft, self.stft_window, cfg.istft_hop)
+        window, hop = self.stft_window, cfg.istft_hop
+        stft = source_stft(s, src_samples, num_stft, window, hop, self.stft_forward)
         x = self.decoder(mel_in.to(self.dtype), stft.to(self.dtype))
-        wav = istft_head(x, n_frames, self.stft_window, cfg.istft_hop, cfg.magnitude_limit)
+        wav = istft_head(x, n_frames, window, hop, cfg.magnitude_limit, self.stft_inverse)
         return wav.clamp(-cfg.audio_limit, cfg.audio_limit)
 
     def decoder(self, mel_in: torch.Tensor, stft: torch.Tensor) -> torch.Tensor:

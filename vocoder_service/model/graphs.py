@@ -187,7 +187,7 @@ class GraphedCore:
             return self._record_on_device(static)
 
     def _record_on_device(self, static: list[torch.Tensor]):
-        """Warm up off the capture (lazy init, cuDNN/cuFFT plans), then capture one call."""
+        """Warm up off the capture (lazy init, cuDNN plans), then capture one call."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
