@@ -86,7 +86,7 @@ from flow_service.runner import (
     GRAPH_PREFIX_MULTIPLE,
     PLAIN_GRAPHS_KEPT,
     PREFIX_GRAPHS_SPARE,
-    WARMUP_MAX_FRAMES,
+    WARMUP_MAX_PREFIX,
     graph_fits,
     graph_rows,
     plain_graph_shapes,
@@ -251,12 +251,12 @@ class SimConfig:
     admission: AdmissionConfig = AdmissionConfig()
     # A graphed batch whose shape has no graph yet captures one first (FlowRunner: the
     # warm-up's shapes, `plain_graph_shapes` and `prefix_graph_shapes` up to
-    # `warmup_max_frames`, are there from the start; least recently used ones go past
+    # `warmup_max_prefix`, are there from the start; least recently used ones go past
     # PLAIN_GRAPHS_KEPT, or PREFIX_GRAPHS_SPARE more than the warm-up's). Its cost: the H100's
     # one-row first chunk, 156 ms in the first batch that met its shape and 29.7 ms later
     # (docs/bench/2026-12-06-h100.md).
     graph_capture_s: float = 0.126
-    warmup_max_frames: int = WARMUP_MAX_FRAMES
+    warmup_max_prefix: int = WARMUP_MAX_PREFIX
 
 
 class EventClock:
@@ -480,14 +480,12 @@ class Simulation:
         rows, bound = config.flow_cost.graph_rows, config.graph_max_frames
         scratch = scratch_query_blocks(NUM_STEPS, FLOW_PRESETS["cosyvoice3-0.5b"].dit.depth)
         warm_prefix = prefix_graph_shapes(
-            rows, bound, BLOCK_FRAMES, scratch, config.warmup_max_frames
+            rows, bound, BLOCK_FRAMES, scratch, config.warmup_max_prefix
         )
         # shape key -> None, least recently replayed first, as the runner's GraphedEstimators
         self.graphs = {
             "plain": (
-                dict.fromkeys(
-                    plain_graph_shapes(rows, bound, GRAPH_FRAME_MULTIPLE, config.warmup_max_frames)
-                ),
+                dict.fromkeys(plain_graph_shapes(rows, bound, GRAPH_FRAME_MULTIPLE)),
                 PLAIN_GRAPHS_KEPT,
             ),
             "prefix": (dict.fromkeys(warm_prefix), len(warm_prefix) + PREFIX_GRAPHS_SPARE),
@@ -1058,7 +1056,7 @@ def main(argv=None) -> None:
         ("--gateways", base.gateways, int, "gateway processes, streams round robin"),
         ("--graph-max-frames", base.graph_max_frames, int, "flow: graphs up to rows x frames"),
         ("--graph-capture-ms", base.graph_capture_s * 1e3, float, "flow: a new graph shape"),
-        ("--warmup-max-frames", base.warmup_max_frames, int, "flow: graphs warmed up, frames"),
+        ("--warmup-max-prefix", base.warmup_max_prefix, int, "flow: prefix graphs warmed up"),
     ]:
         knobs.add_argument(flag, type=kind, default=default, help=f"{what} (%(default)s)")
     adm = ap.add_argument_group(
@@ -1093,7 +1091,7 @@ def main(argv=None) -> None:
         block_calls=a.block_calls,
         schedule=ScheduleConfig.named(a.schedule, a.final_attention),
         graph_capture_s=a.graph_capture_ms / 1e3,
-        warmup_max_frames=a.warmup_max_frames,
+        warmup_max_prefix=a.warmup_max_prefix,
     )
     if a.overload > 0:
         cfg = replace(cfg, admission=AdmissionConfig(enabled=True, headroom=a.admission_headroom))

@@ -79,17 +79,13 @@ GRAPH_FRAME_MULTIPLE = 100  # a plain graphed batch's frames are padded to a mul
 # masked keys, cheap next to the queries' own compute.
 GRAPH_PREFIX_MULTIPLE = 200
 # Prefix graphs kept (least recently used go first): every shape the warm-up captures
-# (`prefix_graph_shapes`: 398 at the default --graph-max-frames) and this many met later.
+# (`prefix_graph_shapes`: 228 at the default --graph-max-frames) and this many met later.
 PREFIX_GRAPHS_SPARE = 64
-PLAIN_GRAPHS_KEPT = 128  # graphs of batches that do not read the cache: 98 from the warm-up
+PLAIN_GRAPHS_KEPT = 128  # graphs of batches that do not read the cache: 55 from the warm-up
 # The warm-up captures plain graphs up to this many frames and prefix graphs up to this padded
-# prefix; a shape past it is captured inside the first batch that meets it, ~0.1 s that
-# every row of that batch waits. 2000 frames hold an 8 s prompt and a 30 s utterance: at 800,
-# the mixed workload's long utterances made 36 captures inside live batches in two 15 s
-# windows on an H100 (2026-12-07), ~100 ms each (a 1-row graph of 800-1800 frames: 142 ms
-# with its capture, 40 ms replayed), about 11 % of the flow's time.
-WARMUP_MAX_FRAMES = 2000
-WARMUP_MAX_QUERIES = 800  # query runs of prefix graphs: a call's new frames, a chunk or two
+# prefix; a shape past them is captured inside the first batch that meets it.
+WARMUP_MAX_FRAMES = 800
+WARMUP_MAX_PREFIX = 800
 
 
 def graph_rows(num_rows: int) -> int:
@@ -141,11 +137,11 @@ def prefix_graph_shapes(
     max_frames: int,
     block: int,
     scratch_query_blocks: int,
-    max_prefix: int = WARMUP_MAX_FRAMES,
+    max_prefix: int = WARMUP_MAX_PREFIX,
 ) -> list[tuple[int, int, int]]:
     """(rows, padded prefix, query frames) of the prefix graphs captured before serving:
     every row bucket, padded prefix up to `max_prefix` frames and `query_bucket` up to
-    WARMUP_MAX_QUERIES query frames for which some batch of that key is one `FlowRunner.graphed`
+    WARMUP_MAX_FRAMES query frames for which some batch of that key is one `FlowRunner.graphed`
     sends to graphs (`max_rows`, `max_frames`: its bounds): its fewest rows, its shortest
     prefix and queries. Other shapes are captured when first met, inside a batch: ~0.1 s
     each, which a burst of new streams pays once per shape (the closed loop of 64 measured
@@ -161,7 +157,7 @@ def prefix_graph_shapes(
 
     return [
         (rows, prefix, queries)
-        for queries in (block << i for i in range((WARMUP_MAX_QUERIES // block).bit_length()))
+        for queries in (block << i for i in range((WARMUP_MAX_FRAMES // block).bit_length()))
         for rows in buckets
         for prefix in range(0, max_prefix + 1, GRAPH_PREFIX_MULTIPLE)
         if graph_fits(fewest[rows], shortest(queries, prefix), max_rows, max_frames)

@@ -708,7 +708,7 @@ def test_warm_up_holds_the_key_of_every_graphed_prefix_batch_it_covers():
     from flow_service.model.prefix_cache import query_bucket, scratch_query_blocks
     from flow_service.runner import (
         WARMUP_MAX_FRAMES,
-        WARMUP_MAX_QUERIES,
+        WARMUP_MAX_PREFIX,
         graph_fits,
         graph_rows,
         prefix_graph_key,
@@ -722,8 +722,8 @@ def test_warm_up_holds_the_key_of_every_graphed_prefix_batch_it_covers():
     graphed = 0
     for i in range(20000):
         n = rng.randint(1, max_rows)
-        prefixes = [block * rng.randint(0, WARMUP_MAX_FRAMES // block) for _ in range(n)]
-        queries = [block * rng.randint(1, WARMUP_MAX_QUERIES // block) for _ in range(n)]
+        prefixes = [block * rng.randint(0, WARMUP_MAX_PREFIX // block) for _ in range(n)]
+        queries = [block * rng.randint(1, WARMUP_MAX_FRAMES // block) for _ in range(n)]
         if i % 2 and n > 1:  # the longest prefix and the longest queries in different rows
             prefixes[1:], queries[0] = [0] * (n - 1), block
             queries[2:] = [block] * (n - 2)
