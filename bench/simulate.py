@@ -238,9 +238,14 @@ class SimConfig:
     start_buffer_s: float = 0.15
     wire_s: float = 0.001
     # flow and vocoder share the GPU: a vocoder batch of t seconds delays the running flow
-    # batch by gpu_share x t (0: independent devices; 1, fitted to the fifth run's closed loop:
-    # first chunks' flow compute 142 ms against ~110 ms with 0.5)
-    gpu_share: float = 1.0
+    # batch by gpu_share x t (0: independent devices). 1 fitted the fifth H200 run's closed
+    # loop (first chunks' flow compute 142 ms against ~110 ms with 0.5). 0.5 fits the H100's
+    # of 2026-12-07 as well (xRT 218 simulated, 221 measured; 202 at 1) and its mixed
+    # workload far better: 89.0 / 83.0 % of streams unstalled at 9 / 12 streams/s (seed 0, the
+    # bench's) against 96.6 / 87.9 % on time measured, where 1 gave 75.3 / 57.0 %
+    # (docs/bench/2026-12-07-h100-evening.md). A vocoder batch's time is partly host work
+    # (prep, the f0 predictor's copies, audio back), during which the flow has the card.
+    gpu_share: float = 0.5
     # the flow's --graph-max-frames (flow_service/runner.py `FlowRunner.graphed`): a batch of
     # at most graph_rows rows replays CUDA graphs only if rows x its longest sequence is at most
     # this; otherwise it runs eagerly, unpadded, with the prefix cache. 0: no bound (graphs up
