@@ -1015,7 +1015,7 @@ def profile_model(fit: FlowCostFit, rows: int) -> tuple[tuple[float, ...], ...]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--streams", type=int, default=64, help="closed-loop streams")
+    ap.add_argument("--streams", type=int, default=64, help="closed-loop streams (0: none)")
     ap.add_argument(
         "--rates", default="3,5,7,9,10,11", help="Poisson rates (streams/s), comma list"
     )
@@ -1102,8 +1102,10 @@ def main(argv=None) -> None:
         cfg = replace(cfg, admission=AdmissionConfig(enabled=True, headroom=a.admission_headroom))
         print(json.dumps(overload(cfg, a.overload, a.overload_seconds, 0.0, a.seed)))
         return
-    out = {"closed": closed_loop(cfg, a.streams)}
-    print("closed", a.streams, json.dumps(out["closed"]))
+    if a.streams < 0:
+        ap.error(f"--streams: want >= 0, got {a.streams}")
+    if a.streams:
+        print("closed", a.streams, json.dumps(closed_loop(cfg, a.streams)))
     if a.batches:
         sim = Simulation(cfg)
         for i in range(a.streams):

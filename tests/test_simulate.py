@@ -493,3 +493,14 @@ def test_a_chunked_final_reads_the_cached_blocks_and_delivers_the_same_chunks():
     # returned frame is 500 (after chunks ending at tokens 25, 75, 175), block-aligned, so the
     # chunked final reads 500 frames from the cache and computes 150
     assert full_sim.computed_frames - chunked_sim.computed_frames == 500
+
+
+def test_the_simulators_command_runs_without_a_closed_loop(capsys):
+    from bench.simulate import main
+
+    main(["--streams", "0", "--rates", "4", "--paces", "0", "--duration", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(" {")[0] for line in out] == ["pace 0 rate 4"]
+    with pytest.raises(SystemExit):
+        main(["--streams", "-1"])
+    assert "--streams: want >= 0" in capsys.readouterr().err
