@@ -1083,6 +1083,8 @@ def main(argv=None) -> None:
         help="share of the flow's reported capacity admission plans with (%(default)s)",
     )
     a = ap.parse_args(argv)
+    if a.streams < 0:
+        ap.error(f"--streams: want >= 0, got {a.streams}")
     policy = replace(base.policy, max_batch_frames=a.max_batch_frames, max_wait_ms=a.max_wait_ms)
     cfg = replace(
         base,
@@ -1102,8 +1104,6 @@ def main(argv=None) -> None:
         cfg = replace(cfg, admission=AdmissionConfig(enabled=True, headroom=a.admission_headroom))
         print(json.dumps(overload(cfg, a.overload, a.overload_seconds, 0.0, a.seed)))
         return
-    if a.streams < 0:
-        ap.error(f"--streams: want >= 0, got {a.streams}")
     if a.streams:
         print("closed", a.streams, json.dumps(closed_loop(cfg, a.streams)))
     if a.batches:
