@@ -261,6 +261,7 @@ def _plural(n: int, noun: str, suffix: str = "s") -> str:
 
 
 def render(result: dict) -> str:
+    crit = Criteria(**result.get("criteria", {}))  # results written before it was kept: defaults
     lines = [
         f"# Real-time capacity ({result['dtype']}, {result['preset']}, {result['device']})",
         "",
@@ -269,8 +270,9 @@ def render(result: dict) -> str:
         f"{result['workload']}; {_plural(result.get('gateways', 1), 'gateway')} (the overload "
         f"run: one with admission on), load from "
         f"{_plural(result.get('client_procs', 1), 'client process', 'es')}. On time: completed with <= 20 ms of buffer beyond what the "
-        "token input forces; capacity: highest Poisson rate with >= 99 % of streams on time "
-        "and first chunk p95 <= 250 ms.",
+        "token input forces; capacity: highest Poisson rate with "
+        f">= {crit.on_time_share * 100:g} % of streams on time "
+        f"and first chunk p95 <= {crit.first_chunk_p95_ms:g} ms.",
         "",
     ]
     if result.get("closed"):

@@ -199,6 +199,9 @@ def test_zero_compute_capacity_is_the_highest_probe_passing_without_floors():
     }
     text = render(result)
     assert "highest probed rate that passes: **5.00 streams/s = 50 audio s/s**" in text
+    assert "on time and first chunk p95 <= 250 ms." in text  # no criteria kept: the defaults
+    result["criteria"] = {"on_time_share": 0.95, "first_chunk_p95_ms": 300.0}
+    assert ">= 95 % of streams on time and first chunk p95 <= 300 ms." in render(result)
 
 
 def test_stall_post_mortem_names_the_chunk_that_sets_the_stall_and_its_stages():
