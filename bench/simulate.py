@@ -952,23 +952,29 @@ def overload(
     }
 
 
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(float(x), digits)
+
+
 def _figures(sim: Simulation, recs: list[StreamRecord], window: float) -> dict:
     m = summarize(recs, window)
     u = m["underruns"]
     st = m["first_chunk_stages"] or {}
+    fc, excess = m["first_chunk_ms"] or {}, u["excess_buffer_ms"] or {}
     keys = ("flow_queue", "flow_compute", "vocoder_queue", "vocoder_compute", "gateway")
+    # None where nothing was measured (a window with no arrival, a run with no batch)
     return {
         "streams": m["num_streams"],
         "ok": m["num_ok"],
-        "first_chunk_p50_ms": round(m["first_chunk_ms"]["p50"], 1),
-        "first_chunk_p95_ms": round(m["first_chunk_ms"]["p95"], 1),
+        "first_chunk_p50_ms": _round(fc.get("p50"), 1),
+        "first_chunk_p95_ms": _round(fc.get("p95"), 1),
         "stack_stalled": u["stack_streams"],
         "xrt": round(m["xrt"] or 0.0, 1),
-        "excess_p99_ms": round(u["excess_buffer_ms"]["p99"], 1),
+        "excess_p99_ms": _round(excess.get("p99"), 1),
         "first_chunk_stages_ms": {k: round(st.get(f"{k}_ms", 0.0), 1) for k in keys},
         "batches": len(sim.batches),
         "preemptions": sim.flow.core.num_preemptions,
-        "mean_rows": round(float(np.mean([b["rows"] for b in sim.batches])), 2),
+        "mean_rows": _round(np.mean([b["rows"] for b in sim.batches]) if sim.batches else None, 2),
         # waiting calls the batches were formed without, by the limit that kept them out
         "left_out": dict(sum((Counter(b["left_out"]) for b in sim.batches), Counter())),
         "graph_captures": dict(sim.captures),

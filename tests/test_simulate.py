@@ -4,6 +4,7 @@ test's compute floors. No sleeps, no GPU: every time is an argument."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -501,6 +502,12 @@ def test_the_simulators_command_runs_without_a_closed_loop(capsys):
     main(["--streams", "0", "--rates", "4", "--paces", "0", "--duration", "1"])
     out = capsys.readouterr().out.splitlines()
     assert [line.split(" {")[0] for line in out] == ["pace 0 rate 4"]
+    # a window with no arrival (seed 0): its figures say nothing was measured, not a TypeError
+    main(["--streams", "0", "--rates", "1", "--paces", "0", "--duration", "1"])
+    (line,) = capsys.readouterr().out.splitlines()
+    empty = json.loads(line.split(" ", 4)[4])
+    assert empty["streams"] == 0 and empty["first_chunk_p95_ms"] is None
+    assert empty["mean_rows"] is None
     with pytest.raises(SystemExit):
         main(["--streams", "-1"])
     assert "--streams: want >= 0" in capsys.readouterr().err
