@@ -69,7 +69,6 @@ for r, t in [
     (128, 650),
 ]:
     h = torch.randn(r, t, d, device=dev, dtype=dt)
-    hp = F.pad(h.transpose(1, 2), (k - 1, 0))  # what the module does: a view, then a pad
     f1 = lambda: F.conv1d(F.pad(h.transpose(1, 2), (k - 1, 0)), w, bias, groups=g)
     f2 = lambda: F.conv1d(F.pad(h.transpose(1, 2).contiguous(), (k - 1, 0)), w, bias, groups=g)
     f4 = lambda: shifted(F.pad(h, (0, 0, k - 1, 0)), t)
