@@ -3,10 +3,10 @@ r"""DiT kernel variants of the flow model, random weights: time, throughput, MFU
     python -m bench kernels --graphs --budget-s 500   # one H200: bf16 first, then what fits
     python -m bench kernels --smoke                   # CPU, small preset, seconds
 
-kernels (`DiTKernels`; the flow service runs fused+rotary on CUDA; writes OUT/kernels_bench.json
+kernels (`DiTKernels`; the flow service runs fused+rotary+conv on CUDA; writes OUT/kernels_bench.json
 after each case): baseline (SDPA with the dense additive bias, unfused norms), fused (compiled
-gate + residual + LN + modulate) and fused+rotary (also the rotary on q and k as one compiled
-kernel). Each case is B requests of T frames (3 s prompt + the rest emitted tokens), all
+gate + residual + LN + modulate), fused+rotary (also the rotary on q and k as one compiled
+kernel) and fused+rotary+conv (also each position conv stage as one Triton kernel). Each case is B requests of T frames (3 s prompt + the rest emitted tokens), all
 streaming (non-final, block-causal) or all final (full attention), run as one
 `FlowModel.generate` (10 Euler steps, CFG: 2B solver rows; mel left on the device; with --graphs,
 every variant also as CUDA-graph replays for batches the service graphs). Per case:
@@ -46,7 +46,8 @@ from flow_service.model import (
 VARIANTS = {
     "baseline": DiTKernels(),
     "fused": DiTKernels(fused_norms=True),
-    "fused+rotary": FUSED_KERNELS,
+    "fused+rotary": DiTKernels(fused_norms=True, fused_rotary=True),
+    "fused+rotary+conv": FUSED_KERNELS,
 }
 GRAPH_VARIANTS = {f"{name}+graphs": kernels for name, kernels in VARIANTS.items()}
 GRAPH_MAX_ROWS = FlowServiceConfig().graph_max_batch  # batches the service replays as graphs

@@ -26,7 +26,7 @@ from flow_service.model.dit import (
 )
 from flow_service.service import service_kernels
 
-FUSED = {"fused_norms": True, "fused_rotary": True}  # every fused kernel
+FUSED = {"fused_norms": True, "fused_rotary": True, "triton_conv": True}  # every fused kernel
 REL = 1e-5  # a kernel variant vs the plain path through a whole solve: max |diff| <= REL x max |mel| (fp32)
 FUSED_REL = 1e-6  # a compiled fused function vs the same function eagerly (fp32)
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flow_service.model import causal_conv
 from flow_service.model.config import DiTConfig
 from flow_service.model.shared_storage import SharesStorage, share_storage_
 
@@ -190,10 +191,14 @@ class DiTKernels:
         elsewhere unless `compile_cpu`, which exists for tests).
     fused_rotary: the rotary on q and k (`apply_rotary_`, five elementwise kernels eagerly, on
         a 64-channel slice: launch-bound) compiled into one; compiled where `fused_norms` is.
+    triton_conv: each position conv stage (grouped conv, bias, Mish, mask, residual) as one
+        Triton kernel on the (r, t, d) layout (flow_service/model/causal_conv.py) where Triton
+        runs (CUDA; the CPU under TRITON_INTERPRET=1), in place of cuDNN's per-group launches.
     """
 
     fused_norms: bool = False
     fused_rotary: bool = False
+    triton_conv: bool = False
     compile_cpu: bool = False
 
     def compiled(self, x: torch.Tensor) -> bool:
@@ -205,7 +210,7 @@ class DiTKernels:
 
 
 PLAIN_KERNELS = DiTKernels()
-FUSED_KERNELS = DiTKernels(fused_norms=True, fused_rotary=True)  # what the service runs on CUDA
+FUSED_KERNELS = DiTKernels(fused_norms=True, fused_rotary=True, triton_conv=True)  # on CUDA
 
 
 class TimestepEmbedding(nn.Module):
@@ -239,6 +244,7 @@ class CausalConvPositionEmbedding(nn.Module):
         self.kernel = kernel
         self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel, groups=groups), nn.Mish())
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel, groups=groups), nn.Mish())
+        self._packed: tuple | None = None  # (weight versions, packed weights): not state
 
     def forward(self, hidden: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """`keep` (r, t, 1) is 0 on frames before position 0 (a prefix-cache window): zero
@@ -257,6 +263,25 @@ class CausalConvPositionEmbedding(nn.Module):
         y = self.conv2(F.pad(y, (self.kernel - 1, 0)))
         return y[..., :num_frames].transpose(1, 2)  # (r, t, d)
 
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both stages' weights as `causal_conv.conv_mish` reads them, packed once per weight
+        version (a load or a dtype change repacks). Packing inside a CUDA graph capture would
+        record the copy without running it, so the eager warm-up before a capture packs."""
+        convs = (self.conv1[0], self.conv2[0])
+        key = tuple((c.weight.data_ptr(), c.weight._version, c.weight.dtype) for c in convs)
+        if self._packed is None or self._packed[0] != key:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("position conv weights first packed inside a CUDA graph capture")
+            weights = tuple(causal_conv.pack_weight(c.weight, c.groups) for c in convs)
+            self._packed = (key, weights)
+        return self._packed[1]
+
+    def fused(self, hidden: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden + forward(hidden, keep), two Triton kernels (`DiTKernels.triton_conv`)."""
+        w1, w2 = self.packed()
+        y = causal_conv.conv_mish(hidden, w1, self.conv1[0].bias, keep=keep)
+        return causal_conv.conv_mish(y, w2, self.conv2[0].bias, residual=hidden.contiguous())
+
 
 class InputEmbedding(nn.Module):
     """[x | cond | mu | spk] (4c) -> d, plus the causal conv position embedding."""
@@ -268,11 +293,14 @@ class InputEmbedding(nn.Module):
             cfg.dim, cfg.conv_pos_kernel, cfg.conv_pos_groups
         )
 
-    def forward(self, x, cond, mu, spks, keep=None) -> torch.Tensor:
+    def forward(self, x, cond, mu, spks, keep=None, kernels=PLAIN_KERNELS) -> torch.Tensor:
         spks = spks[:, None, :].expand(-1, x.shape[1], -1)  # (r, t, c)
         hidden = self.proj(torch.cat((x, cond, mu, spks), dim=-1))  # (r, t, d)
         if keep is not None:  # (r, t, 1): 0 on frames before position 0 (the conv's zero pad)
             hidden = hidden * keep
+        if kernels.triton_conv and causal_conv.available(hidden.device):
+            return self.conv_pos_embed.fused(hidden, keep)
+        if keep is not None:
             return hidden + self.conv_pos_embed(hidden, keep)
         # hidden first: the sum takes its first operand's memory layout, and the conv's output is
         # channel-first. With it first, the whole residual stream was channel-first: every
@@ -509,6 +537,11 @@ class DiT(SharesStorage):
         kernels, cfg = self.kernels, self.cfg
         weight = self.input_embed.proj.weight
         dtype, device, d = weight.dtype, weight.device, cfg.dim
+        if kernels.triton_conv and causal_conv.available(device):
+            with torch.inference_mode():  # packs the weights and compiles the three variants
+                x = torch.zeros(2, 100, d, dtype=dtype, device=device)
+                self.input_embed.conv_pos_embed.fused(x)
+                self.input_embed.conv_pos_embed.fused(x, torch.ones_like(x[..., :1]))
         if not kernels.compiled(weight):
             return
         with torch.inference_mode():
@@ -565,12 +598,12 @@ class DiT(SharesStorage):
     ) -> torch.Tensor:
         temb_act = F.silu(self.time_embed(tau))  # (r, d); every AdaLN applies SiLU first
         if prefix is None:
-            hidden = self.input_embed(x, cond, mu, spks)  # (r, t, d)
+            hidden = self.input_embed(x, cond, mu, spks, kernels=self.kernels)  # (r, t, d)
             rope = self.rotary_embed.tables(x.shape[1])
         else:
             # x, mu, cond hold `prefix.context` frames before the queries: the conv position
             # embedding's left receptive field. Only the queries go through the blocks.
-            hidden = self.input_embed(x, cond, mu, spks, prefix.keep)[
+            hidden = self.input_embed(x, cond, mu, spks, prefix.keep, self.kernels)[
                 :, prefix.context :
             ].contiguous()
             rope = prefix.rope
