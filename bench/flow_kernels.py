@@ -3,10 +3,11 @@ r"""DiT kernel variants of the flow model, random weights: time, throughput, MFU
     python -m bench kernels --graphs --budget-s 500   # one H200: bf16 first, then what fits
     python -m bench kernels --smoke                   # CPU, small preset, seconds
 
-kernels (`DiTKernels`; the flow service runs fused+rotary+conv on CUDA; writes OUT/kernels_bench.json
-after each case): baseline (SDPA with the dense additive bias, unfused norms), fused (compiled
-gate + residual + LN + modulate), fused+rotary (also the rotary on q and k as one compiled
-kernel) and fused+rotary+conv (also each position conv stage as one Triton kernel). Each case is B requests of T frames (3 s prompt + the rest emitted tokens), all
+kernels (`DiTKernels`; the flow service runs fused+rotary+conv on CUDA; writes
+OUT/kernels_bench.json after each case): baseline (SDPA with the dense additive bias, unfused
+norms), fused (compiled gate + residual + LN + modulate), fused+rotary (also the rotary on q and
+k as one compiled kernel) and fused+rotary+conv (also each position conv stage as one Triton
+kernel). Each case is B requests of T frames (3 s prompt + the rest emitted tokens), all
 streaming (non-final, block-causal) or all final (full attention), run as one
 `FlowModel.generate` (10 Euler steps, CFG: 2B solver rows; mel left on the device; with --graphs,
 every variant also as CUDA-graph replays for batches the service graphs). Per case:

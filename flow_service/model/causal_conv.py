@@ -114,7 +114,9 @@ def conv_mish(
     rows, frames, width = x.shape
     groups, taps, channels, _ = packed.shape
     if x.stride(2) != 1 or width != groups * channels:
-        raise ValueError(f"x {tuple(x.shape)} stride {x.stride()}: want (r, t, {groups * channels})")
+        raise ValueError(
+            f"x {tuple(x.shape)} stride {x.stride()}: want (r, t, {groups * channels})"
+        )
     out = torch.empty(rows, frames, width, dtype=x.dtype, device=x.device)
     if residual is not None and (residual.shape != out.shape or not residual.is_contiguous()):
         raise ValueError(f"residual {tuple(residual.shape)}: want contiguous {tuple(out.shape)}")
