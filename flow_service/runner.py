@@ -308,6 +308,9 @@ class FlowRunner:
         # step. Short graphed steps keep CPU/GPU overlap and sync only when an urgent batch is
         # wanted.
         hook = self._hook(ask_engine, sync_every_step=not graphed)
+        # before the solve: committing the plan unpins its blocks, and a row that only stored
+        # would no longer look active
+        path = ("graph" if graphed else "eager") + ("+prefix" if plan and plan.active else "")
         num = len(requests)
         captures = self._num_captures()
         with torch.cuda.stream(self.stream):
@@ -332,7 +335,6 @@ class FlowRunner:
                     requests, between_steps=hook, prefix_cache=cache, plan=plan
                 )
         self.stream.synchronize()
-        path = ("graph" if graphed else "eager") + ("+prefix" if plan and plan.active else "")
         captured = self._num_captures() - captures  # an urgent batch's between steps included
         self.last_path = f"{path}, captured {captured}" if captured else path
         return outputs

@@ -125,7 +125,8 @@ def test_gpu_stage_matches_cudnn(frames):
     x, weight, bias, keep, residual = stage_case(4, frames, 1024, 16, device="cuda")
     packed = causal_conv.pack_weight(weight, 16)
     ref = reference(x, weight, bias, 16, keep, residual)
-    assert rel_err(causal_conv.conv_mish(x, packed, bias, keep, residual), ref) <= REL
+    # 1e-5: at full width a frame sums 31 x 64 products, in another order than cuDNN's
+    assert rel_err(causal_conv.conv_mish(x, packed, bias, keep, residual), ref) <= 1e-5
     lo = [t.bfloat16() for t in (x, weight, bias, keep, residual)]
     got = causal_conv.conv_mish(lo[0], causal_conv.pack_weight(lo[1], 16), *lo[2:])
     plain = reference(lo[0], lo[1], lo[2], 16, lo[3], lo[4])

@@ -544,17 +544,20 @@ def test_gpu_runner_graphs_over_the_cache(dtype):
     for name, budget, bound in (("graphs", 0, 0), ("eager", 8 << 30, 1), ("both", 8 << 30, 0)):
         cache = PrefixCache.for_model(m, budget) if budget else None
         runner = FlowRunner(m, prefix_cache=cache, graph_max_batch=8, graph_max_frames=bound)
-        outs = []
+        outs, paths = [], []
         for batch in zip(*streams, strict=True):
             outs += [o.cpu() for o in runner.generate(list(batch))]
+            paths.append(runner.last_path.split(",")[0])
         outputs[name] = outs
         if cache is not None:
             assert cache.stats["hits"] >= 6
+        # every batch but the last (full-attention final calls, which read no cache) reads or
+        # writes it
+        want = {"graphs": "graph", "eager": "eager+prefix", "both": "graph+prefix"}[name]
+        assert paths[:-1] == [want] * (len(paths) - 1), paths
+        assert paths[-1] == ("eager" if name == "eager" else "graph"), paths
         if name == "both":
             assert len(runner.prefix_graphs) >= 2  # the later calls replayed prefix graphs
-            assert runner.last_path.startswith("graph+prefix")
-        if name == "eager":
-            assert runner.last_path == "eager+prefix"
         runner.close()
         del runner, cache
         torch.cuda.empty_cache()
