@@ -2,11 +2,11 @@
 on the residual stream's own layout (r, t, d).
 
 cuDNN ran each 16-group conv as 16 launches plus two layout transposes (an H100 trace of a
-B=2 block call: 32 conv launches a solver step, 36 % of its GPU time; docs/bench/). Here one
-program computes BLOCK_T frames x one group's output channels: 31 shifted (frames x c_in) @
-(c_in x c_out) products accumulated in fp32, then the bias, Mish, the optional per-frame keep
-mask (a prefix-cache window's frames before position 0) and the optional residual, stored
-once.
+B=2 block call: 32 conv launches a solver step, 35 % of its GPU time;
+docs/bench/triton-conv-h100-2026-12-08/). Here one program computes BLOCK_T frames x one
+group's output channels: 31 shifted (frames x c_in) @ (c_in x c_out) products accumulated in
+fp32, then the bias, Mish, the optional per-frame keep mask (a prefix-cache window's frames
+before position 0) and the optional residual, stored once.
 
 Shapes: r rows, t frames, d = g x c channels (g groups of c), k taps. The conv is causal: frame
 i reads input frames i - k + 1 .. i, zero before 0 (the left pad).
