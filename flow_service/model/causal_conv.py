@@ -124,8 +124,8 @@ def conv_mish(
         keep = keep.reshape(rows, frames)
         if keep.stride(1) != 1:
             keep = keep.contiguous()
-    tf32 = x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32
-    precision = "tf32" if tf32 or x.dtype != torch.float32 else "ieee"
+    exact = x.dtype == torch.float32 and not torch.backends.cudnn.allow_tf32
+    precision = "ieee" if exact else "tf32"  # 16-bit inputs ignore it
     grid = (triton.cdiv(frames, BLOCK_T), groups, rows)
     _conv_mish_kernel[grid](
         x,
