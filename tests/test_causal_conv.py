@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_kernels import rel_err
 
 from flow_service.model import causal_conv
 from flow_service.model.dit import CausalConvPositionEmbedding
@@ -29,10 +30,6 @@ def reference(x, weight, bias, groups, keep=None, residual=None):
     if keep is not None:
         y = y * keep
     return y if residual is None else y + residual
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
 def stage_case(rows, frames, width, groups, device="cpu", dtype=torch.float32, seed=0):

@@ -205,6 +205,12 @@ class DiTKernels:
     def compiled(self, x: torch.Tensor) -> bool:
         return x.is_cuda or self.compile_cpu
 
+    def conv_in_triton(self, x: torch.Tensor) -> bool:
+        """Whether the position convs of x run as `triton_conv`'s kernels. 16-bit only: in fp32
+        (TF32) the kernel measured 0.55-0.7x cuDNN's speed from 16 rows x 250 frames up on an
+        H100, where bf16 measured 1.2-5x faster at every shape."""
+        return self.triton_conv and x.dtype != torch.float32 and causal_conv.available(x.device)
+
     def rotate(self, x: torch.Tensor):
         """The rotary function for a layer whose input is x."""
         return _fused_apply_rotary_ if self.fused_rotary and self.compiled(x) else apply_rotary_
@@ -299,11 +305,8 @@ class InputEmbedding(nn.Module):
         hidden = self.proj(torch.cat((x, cond, mu, spks), dim=-1))  # (r, t, d)
         if keep is not None:  # (r, t, 1): 0 on frames before position 0 (the conv's zero pad)
             hidden = hidden * keep
-        # 16-bit only: in fp32 (TF32) the kernel measured 0.55-0.7x cuDNN's speed from 16 rows
-        # x 250 frames up on an H100, where bf16 measured 1.2-5x faster at every shape
-        if kernels.triton_conv and hidden.dtype != torch.float32:
-            if causal_conv.available(hidden.device):
-                return self.conv_pos_embed.fused(hidden, keep)
+        if kernels.conv_in_triton(hidden):
+            return self.conv_pos_embed.fused(hidden, keep)
         if keep is not None:
             return hidden + self.conv_pos_embed(hidden, keep)
         # hidden first: the sum takes its first operand's memory layout, and the conv's output is
@@ -541,7 +544,7 @@ class DiT(SharesStorage):
         kernels, cfg = self.kernels, self.cfg
         weight = self.input_embed.proj.weight
         dtype, device, d = weight.dtype, weight.device, cfg.dim
-        if kernels.triton_conv and dtype != torch.float32 and causal_conv.available(device):
+        if kernels.conv_in_triton(weight):
             with torch.inference_mode():  # packs the weights and compiles the three variants
                 x = torch.zeros(2, 100, d, dtype=dtype, device=device)
                 self.input_embed.conv_pos_embed.fused(x)
