@@ -4,6 +4,8 @@ loaded from a synthetic checkpoint whose tensors are zero-stride views (tiny on 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from flow_service.model import (
     load_flow,
     noise_buffer,
     validate_request,
+    validate_voice,
 )
 
 TOL = 1e-4  # invariant 1: max abs error <= TOL x max|mel| (fp32)
@@ -324,9 +327,10 @@ def _output_dtypes(model: FlowModel, reqs) -> dict[str, torch.dtype]:
 def _bad(field: str, **changes):
     """A valid request with some fields replaced (voice fields prefixed `voice_`)."""
     voice = make_voice(5, 10)
-    for name in ("prompt_token", "prompt_feat", "embedding"):
-        if f"voice_{name}" in changes:
-            setattr(voice, name, changes.pop(f"voice_{name}"))
+    names = ("prompt_token", "prompt_feat", "embedding")
+    voice = dataclasses.replace(
+        voice, **{n: changes.pop(f"voice_{n}") for n in names if f"voice_{n}" in changes}
+    )
     fields = dict(tokens=make_tokens(5, 20), token_offset=0, finalize=False, streaming=True)
     fields.update(changes)
     return pytest.param(FlowRequest(voice, **fields), field, id=field)
@@ -369,6 +373,28 @@ def test_invalid_input_names_the_field(req, field):
     assert info.value.field == field
     assert str(info.value).startswith(field + ":")
     assert isinstance(info.value, ValueError)
+
+
+def test_a_voice_is_checked_and_hashed_once_per_object():
+    """A voice that passed is not checked again for the same vocabulary (VoiceCache hands one
+    object to every call of a voice); one that failed fails every time; a smaller vocabulary
+    checks again. Equal content hashes equal across objects, and the fields cannot be
+    replaced under the memo."""
+    good = make_voice(3, 10)
+    validate_voice(good)
+    assert good.__dict__["_valid_for_vocab"] == 6561
+    with pytest.raises(InvalidInput, match=r"prompt_token\[\d+\]: id \d+ outside 0\.\.9"):
+        validate_voice(good, vocab_size=10)  # most ids of 0..6560 are outside 0..9
+    bad = dataclasses.replace(good, embedding=_with(good.embedding, 3, float("nan")))
+    for _ in range(2):
+        with pytest.raises(InvalidInput, match=r"^embedding\[3\]"):
+            validate_voice(bad)
+    twin = Voice(good.prompt_token.clone(), good.prompt_feat.clone(), good.embedding.clone())
+    assert twin.fingerprint == good.fingerprint
+    assert bad.fingerprint != good.fingerprint
+    assert make_voice(4, 10).fingerprint != good.fingerprint
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        good.embedding = bad.embedding
 
 
 def test_generate_rejects_with_slot(model):

@@ -33,7 +33,6 @@ eviction or a drop during the solve never frees memory under it.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import threading
 import time
@@ -45,17 +44,6 @@ import torch
 
 from flow_service.model.requests import FlowRequest
 from flow_service.model.solver import euler_cfg, noise_buffer
-
-
-def voice_fingerprint(req: FlowRequest) -> bytes:
-    """Content hash of everything the voice contributes (prompt ids, prompt mel, x-vector)."""
-    v = req.voice
-    h = hashlib.blake2b(digest_size=16)
-    for t in (v.prompt_token.to(torch.int64), v.prompt_feat.float(), v.embedding.float()):
-        t = t.detach().cpu().contiguous()
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.numpy().tobytes())
-    return h.digest()
 
 
 def all_token_ids(req: FlowRequest) -> torch.Tensor:
@@ -271,7 +259,7 @@ class PrefixCache:
                 rows.append(row)
                 if not req.streaming and not req.cache_key:
                     continue  # neither reads, writes nor ends a stream entry
-                fp = voice_fingerprint(req)
+                fp = req.voice.fingerprint
                 key = self._stream_key(req, fp)
                 if req.finalize:
                     row.drop = key  # the stream's last call: its entry goes after the solve
@@ -664,13 +652,25 @@ class IndexedKV:
 
     @staticmethod
     def pool_rows(
-        cache: PrefixCache, read: torch.Tensor, store: torch.Tensor
+        cache: PrefixCache,
+        read: torch.Tensor,
+        store: torch.Tensor,
+        device: torch.device | str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """For a solve reading block ids `read` (b, n_p) and storing the query blocks into
         block ids `store` (b, n_q; -1: store nothing): (gather rows, their move per step,
-        store rows, their move per step); step s uses rows + s x move. Query blocks stored
-        nothing of go to scratch rows, the same at every layer and step."""
-        dev, depth = read.device, cache.depth
+        store rows, their move per step) on `device` (default: `store`'s); step s uses rows +
+        s x move. Query blocks stored nothing of go to scratch rows, the same at every layer
+        and step. The scratch bound is checked where `store` lies: pass host tensors and a
+        device, so the check reads no count back from the card."""
+        nothing = store < 0
+        if (n := int(nothing.sum())) > cache.scratch_query_blocks:
+            raise ValueError(
+                f"{n} query blocks stored nothing of, past the scratch's "
+                f"{cache.scratch_query_blocks}"
+            )
+        dev, depth = torch.device(device or store.device), cache.depth
+        read, store, nothing = read.to(dev), store.to(dev), nothing.to(dev)
         num = cache.capacity + 1 + cache.scratch_blocks
         step_rows = depth * 2 * num * 2
         kv = torch.arange(2, device=dev).view(2, 1, 1, 1)
@@ -680,12 +680,6 @@ class IndexedKV:
             return (layer_kv * num + blocks) * 2 + cfg
 
         layer_kv = torch.arange(depth, device=dev).view(depth, 1, 1, 1, 1) * 2 + kv
-        nothing = store < 0
-        if int(nothing.sum()) > cache.scratch_query_blocks:
-            raise ValueError(
-                f"{int(nothing.sum())} query blocks stored nothing of, past the scratch's "
-                f"{cache.scratch_query_blocks}"
-            )
         m = (nothing.flatten().cumsum(0) - 1).view_as(store)  # scratch slot per block
         per_block = cache.num_steps * depth  # (step, layer) slices of one scratch block
         scratch = rows(m % per_block * 2 + kv, cache.capacity + 1 + m // per_block)
@@ -733,10 +727,10 @@ class PrefixStep:
         bias = window_bias(rows, rows + queries, rows == 0, prefix, queries, cache.block, dtype)
         cos, sin = dit.rotary_embed.tables_at(torch.zeros(r, queries, device=dev))
         blocks = (prefix // cache.block, queries // cache.block)
-        # the pool rows on the host (a few hundred integers, and a count is read back), then
-        # moved: the same on every device, the meta device included (bench profile-batch)
+        # block ids on the host, pool rows on the device (the meta device too: bench
+        # profile-batch)
         read = torch.full((num_rows, blocks[0]), cache.zero_block)
-        moves = IndexedKV.pool_rows(cache, read, torch.full((num_rows, blocks[1]), -1))[::2]
+        moves = IndexedKV.pool_rows(cache, read, torch.full((num_rows, blocks[1]), -1), dev)[::2]
         return [
             window,
             window.clone(),
@@ -748,7 +742,7 @@ class PrefixStep:
             torch.ones(r, w, 1, dtype=dtype, device=dev),
             cos,
             sin,
-            *(x.to(dev) for x in moves),
+            *moves,
         ]
 
     def __call__(self, x, mu, cond, spks, tau, bias, frame_mask, keep, cos, sin, gather, store):
@@ -799,7 +793,7 @@ def solve_with_prefix(
     mu, spks = model.conditioning(batch)  # (b, t, c), (b, c)
     c = mu.shape[-1]
     prefix = torch.tensor([row.prefix for row in plan.rows])
-    num_queries = batch.seq_lens.cpu() - prefix
+    num_queries = torch.tensor([stop for _, stop in batch.out_spans]) - prefix
     q_max = int(num_queries.max())
     if step is not None:
         if not mask_padding:
@@ -850,9 +844,7 @@ def solve_with_prefix(
         for i, row in enumerate(plan.rows):
             read[i, : len(row.read)] = torch.tensor(row.read, dtype=torch.long)
             store[i, : len(row.new)] = torch.tensor(row.new, dtype=torch.long)
-        gather, gather_step, store, store_step = IndexedKV.pool_rows(
-            cache, read.to(dev), store.to(dev)
-        )
+        gather, gather_step, store, store_step = IndexedKV.pool_rows(cache, read, store, dev)
     mu_in = torch.cat((mu_w, torch.zeros_like(mu_w)))
     cond_in = torch.cat((cond_w, torch.zeros_like(cond_w)))
     spks_in = torch.cat((spks, torch.zeros_like(spks)))
