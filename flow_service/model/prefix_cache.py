@@ -44,6 +44,7 @@ import torch
 
 from flow_service.model.requests import FlowRequest
 from flow_service.model.solver import euler_cfg, noise_buffer
+from flow_service.model.transfer import upload
 
 
 def all_token_ids(req: FlowRequest) -> torch.Tensor:
@@ -670,7 +671,7 @@ class IndexedKV:
                 f"{cache.scratch_query_blocks}"
             )
         dev, depth = torch.device(device or store.device), cache.depth
-        read, store, nothing = read.to(dev), store.to(dev), nothing.to(dev)
+        read, store, nothing = upload(read, dev), upload(store, dev), upload(nothing, dev)
         num = cache.capacity + 1 + cache.scratch_blocks
         step_rows = depth * 2 * num * 2
         kv = torch.arange(2, device=dev).view(2, 1, 1, 1)
@@ -801,7 +802,7 @@ def solve_with_prefix(
         q_max = query_bucket(-(-q_max // cache.block)) * cache.block
         p_multiple = max(prefix_multiple, cache.block)
         p_max = -(-int(prefix.max()) // p_multiple) * p_multiple
-    prefix_d = prefix.to(dev)
+    prefix_d = upload(prefix, dev)
     window = prefix_d[:, None] - cache_ctx + torch.arange(cache_ctx + q_max, device=dev)
     gather = window.clamp(0, t - 1)[..., None].expand(-1, -1, c)
     mu_w = mu.gather(1, gather)  # (b, 60 + q, c); frames before 0 are zeroed by `keep`
@@ -818,7 +819,7 @@ def solve_with_prefix(
         if n:
             context_x[:, i, cache_ctx - n :] = row.xs[:, row.prefix - n : row.prefix]
     qpos2 = query_pos.repeat(2, 1)
-    qn = num_queries.to(dev)
+    qn = upload(num_queries, dev)
     frame_mask = (torch.arange(q_max, device=dev)[None] < qn[:, None]).to(dtype)
     frame_mask = frame_mask.repeat(2, 1)[..., None]  # (r, q, 1)
     cos, sin = dit.rotary_embed.tables_at(qpos2)
