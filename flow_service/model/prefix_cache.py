@@ -840,11 +840,15 @@ def solve_with_prefix(
             dtype,
         )
         n_p, n_q = p_max // cache.block, q_max // cache.block
-        read = torch.full((b, n_p), cache.zero_block, dtype=torch.long)
-        store = torch.full((b, n_q), -1, dtype=torch.long)
-        for i, row in enumerate(plan.rows):
-            read[i, : len(row.read)] = torch.tensor(row.read, dtype=torch.long)
-            store[i, : len(row.new)] = torch.tensor(row.new, dtype=torch.long)
+        # block ids per row, padded: past its prefix a row reads the zero block, and its query
+        # blocks past those it stores go to scratch (-1)
+        z = cache.zero_block
+        read = torch.tensor(
+            [r.read + [z] * (n_p - len(r.read)) for r in plan.rows], dtype=torch.long
+        )
+        store = torch.tensor(
+            [r.new + [-1] * (n_q - len(r.new)) for r in plan.rows], dtype=torch.long
+        )
         gather, gather_step, store, store_step = IndexedKV.pool_rows(cache, read, store, dev)
     mu_in = torch.cat((mu_w, torch.zeros_like(mu_w)))
     cond_in = torch.cat((cond_w, torch.zeros_like(cond_w)))
