@@ -350,14 +350,17 @@ def test_indexed_solve_equals_the_assembled_one(model, prefix_multiple):
     zero block and the scratch), run eagerly here, gives the mel of the eager `_KVAssembler` solve
     and of recomputation, and the cache the same entries: uniform batches of one call index,
     a batch mixing a hit, a first chunk and a final call, one row twice, and a row whose
-    6 blocks of queries the graphs' layout pads to 8 (`query_bucket`)."""
+    6 blocks of queries the graphs' layout pads to 8 (`query_bucket`), and a row of a voice
+    with no prompt, whose cached prefix (one block) is shorter than the conv's context."""
     from flow_service.model.prefix_cache import PrefixStep
 
     streams = [stream_calls(make_voice(50 + i, 35), f"x{i}", 230, seed=130 + i) for i in range(4)]
+    bare = stream_calls(make_voice(54, 0), "x4", 150, seed=134)
     batches = [[s[k] for s in streams[:3]] for k in range(3)]
     batches.append([streams[0][3], streams[1][0], streams[2][-2]])
     batches.append([streams[1][1], streams[1][1]])
     batches += [[streams[3][0]], [streams[3][2], streams[0][1]]]  # streams[3][1] skipped
+    batches += [[bare[0]], [bare[1], streams[2][3]]]  # bare[1] reads 50 frames
     assembled, indexed = new_cache(model), new_cache(model)
     step = PrefixStep(model.decoder.estimator, indexed)
     for batch in batches:

@@ -811,13 +811,17 @@ def solve_with_prefix(
     query_pos = prefix_d[:, None] + torch.arange(q_max, device=dev)  # (b, q)
     noise = noise_buffer(dev, model.cfg.max_frames)
     x = noise[query_pos.clamp(max=noise.shape[0] - 1)]  # (b, q, c) fp32, position-locked
-    # Solver input x of the context frames, per step: from the cache (zeros before frame 0)
-    steps = len(dec.steps)
-    context_x = torch.zeros(steps, b, cache_ctx, c, dtype=dtype, device=dev)
-    for i, row in enumerate(plan.rows):
+    # Solver input x of the context frames, per step: from the cache (zeros before frame 0),
+    # stacked in one copy (a row whose prefix covers the context is a view of its entry)
+    zeros = torch.zeros(len(dec.steps), cache_ctx, c, dtype=dtype, device=dev)
+    context = []
+    for row in plan.rows:
         n = min(row.prefix, cache_ctx)
-        if n:
-            context_x[:, i, cache_ctx - n :] = row.xs[:, row.prefix - n : row.prefix]
+        tail = row.xs[:, row.prefix - n : row.prefix] if n else None
+        context.append(
+            tail if n == cache_ctx else zeros if not n else torch.cat((zeros[:, n:], tail), 1)
+        )
+    context_x = torch.stack(context, dim=1)  # (steps, b, 60, c)
     qpos2 = query_pos.repeat(2, 1)
     qn = upload(num_queries, dev)
     frame_mask = (torch.arange(q_max, device=dev)[None] < qn[:, None]).to(dtype)
