@@ -32,7 +32,6 @@ from flow_service.model.dit import DiT
 from flow_service.model.prefix_cache import PrefixCache, PrefixPlan, solve_with_prefix
 from flow_service.model.requests import FlowRequest, validate_request
 from flow_service.model.solver import cosine_schedule, euler_cfg, noise_buffer
-from flow_service.model.transfer import upload
 from token2wav.invalid import InvalidInput
 
 # (x, mu, cond, spks, tau, attn_bias, frame_mask) -> velocity; the DiT itself or a graphed replay
@@ -188,12 +187,12 @@ class FlowModel(nn.Module):
 
         device, dtype = self.device, self.dtype
         return FlowBatch(
-            token_ids=upload(ids, device),
-            token_mask=upload(token_mask, device, dtype),
-            embeddings=upload(embeddings, device),
-            cond=upload(cond, device, dtype),
-            seq_lens=upload(torch.tensor(seq_lens), device),
-            streaming=upload(torch.tensor([req.streaming for req in chunks]), device),
+            token_ids=ids.to(device),
+            token_mask=token_mask.to(device, dtype),
+            embeddings=embeddings.to(device),
+            cond=cond.to(device, dtype),
+            seq_lens=torch.tensor(seq_lens, device=device),
+            streaming=torch.tensor([req.streaming for req in chunks], device=device),
             num_frames=num_frames,
             row_slots=list(range(num_rows)),
             out_spans=spans,

@@ -44,7 +44,6 @@ import torch
 
 from flow_service.model.requests import FlowRequest
 from flow_service.model.solver import euler_cfg, noise_buffer
-from flow_service.model.transfer import upload
 
 
 def all_token_ids(req: FlowRequest) -> torch.Tensor:
@@ -671,7 +670,7 @@ class IndexedKV:
                 f"{cache.scratch_query_blocks}"
             )
         dev, depth = torch.device(device or store.device), cache.depth
-        read, store, nothing = upload(read, dev), upload(store, dev), upload(nothing, dev)
+        read, store, nothing = read.to(dev), store.to(dev), nothing.to(dev)
         num = cache.capacity + 1 + cache.scratch_blocks
         step_rows = depth * 2 * num * 2
         kv = torch.arange(2, device=dev).view(2, 1, 1, 1)
@@ -802,7 +801,7 @@ def solve_with_prefix(
         q_max = query_bucket(-(-q_max // cache.block)) * cache.block
         p_multiple = max(prefix_multiple, cache.block)
         p_max = -(-int(prefix.max()) // p_multiple) * p_multiple
-    prefix_d = upload(prefix, dev)
+    prefix_d = prefix.to(dev)
     window = prefix_d[:, None] - cache_ctx + torch.arange(cache_ctx + q_max, device=dev)
     gather = window.clamp(0, t - 1)[..., None].expand(-1, -1, c)
     mu_w = mu.gather(1, gather)  # (b, 60 + q, c); frames before 0 are zeroed by `keep`
@@ -823,7 +822,7 @@ def solve_with_prefix(
         )
     context_x = torch.stack(context, dim=1)  # (steps, b, 60, c)
     qpos2 = query_pos.repeat(2, 1)
-    qn = upload(num_queries, dev)
+    qn = num_queries.to(dev)
     frame_mask = (torch.arange(q_max, device=dev)[None] < qn[:, None]).to(dtype)
     frame_mask = frame_mask.repeat(2, 1)[..., None]  # (r, q, 1)
     cos, sin = dit.rotary_embed.tables_at(qpos2)
