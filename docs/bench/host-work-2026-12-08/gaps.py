@@ -48,16 +48,13 @@ def label(name, fn):
 
 
 # phases: patched where they are looked up
-M = flow_mod.FlowModel
-M.validate = label("ph:validate", M.validate)
-M.prepare = label("ph:prepare", M.prepare)
-M.conditioning = label("ph:conditioning", M.conditioning)
-M.scatter = label("ph:scatter", M.scatter)
-M.solve_batch = label("ph:solve_batch", M.solve_batch)
+for owner, names in (
+    (flow_mod.FlowModel, ("validate", "prepare", "conditioning", "scatter", "solve_batch")),
+    (pc.PrefixCache, ("plan", "commit")),
+):
+    for name in names:
+        setattr(owner, name, label(f"ph:{name}", getattr(owner, name)))
 FlowRunner.generate = label("ph:runner.generate", FlowRunner.generate)
-C = pc.PrefixCache
-C.plan = label("ph:plan", C.plan)
-C.commit = label("ph:commit", C.commit)
 pc.euler_cfg = label("ph:euler", pc.euler_cfg)
 flow_mod.solve_with_prefix = label("ph:solve_with_prefix", pc.solve_with_prefix)
 pc.window_bias = label("ph:window_bias", pc.window_bias)
