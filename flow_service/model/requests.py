@@ -41,10 +41,10 @@ from token2wav.invalid import InvalidInput
 class Voice:
     """One speaker prompt (docs/REFERENCE.md §1.4). Tensors live on any device; CPU is expected.
 
-    Frozen, and its tensors are values: never modify them in place. A voice is validated and hashed once
-    (`validate_voice`, `fingerprint`), not at every call: the flow service's VoiceCache hands
-    one object to every call of a voice, and a stream's ~10 block calls would otherwise pay
-    ~0.3 ms of host time a row each, while the GPU waits."""
+    Frozen, and its tensors are values: never modify them in place. A voice is validated and
+    hashed once (`validate_voice`, `fingerprint`), not at every call: the flow service's
+    VoiceCache hands one object to every call of a voice, and a stream's ~10 block calls would
+    otherwise pay ~0.3 ms of host time a row each, while the GPU waits."""
 
     prompt_token: torch.Tensor  # [n_p] int, ids 0..6560
     prompt_feat: torch.Tensor  # [2 n_p, 80] float, log-mel of the prompt audio
