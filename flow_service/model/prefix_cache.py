@@ -816,10 +816,11 @@ def solve_with_prefix(
     context = []
     for row in plan.rows:
         n = min(row.prefix, cache_ctx)
-        tail = row.xs[:, row.prefix - n : row.prefix] if n else None
-        context.append(
-            tail if n == cache_ctx else zeros if not n else torch.cat((zeros[:, n:], tail), 1)
-        )
+        if n == 0:
+            context.append(zeros)
+            continue
+        tail = row.xs[:, row.prefix - n : row.prefix]
+        context.append(tail if n == cache_ctx else torch.cat((zeros[:, n:], tail), 1))
     context_x = torch.stack(context, dim=1)  # (steps, b, 60, c)
     qpos2 = query_pos.repeat(2, 1)
     qn = num_queries.to(dev)
