@@ -793,6 +793,7 @@ def solve_with_prefix(
     mu, spks = model.conditioning(batch)  # (b, t, c), (b, c)
     c = mu.shape[-1]
     prefix = torch.tensor([row.prefix for row in plan.rows])
+    # a row's span ends at its sequence length: the host's copy of batch.seq_lens
     num_queries = torch.tensor([stop for _, stop in batch.out_spans]) - prefix
     q_max = int(num_queries.max())
     if step is not None:
